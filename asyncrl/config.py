@@ -1,0 +1,311 @@
+"""One typed config tree for every role, loaded from YAML and overridden by dotted `key=value` pairs.
+
+Unknown keys and values of the wrong type fail at start with the dotted path, the closest valid key
+and the fix; cross-field checks live in `Config.validate`. Only the standard library and PyYAML are
+imported here, so every entry point can parse its config before importing torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = REPO_CONFIGS / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: the message names the dotted path and the fix."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    dir: str = "runs"  # the run directory is {dir}/{name}
+    max_steps: int = 20
+    seed: int = 0
+    mode: Literal["async", "sync"] = "async"
+    startup_timeout_s: float = 600.0  # launcher: how long a role may take to come up
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face model directory or hub name. Empty: a tiny model is written to {run_dir}/tiny-model.
+    path: str = ""
+    tiny_warm_start_steps: int = 30  # supervised warm start of the tiny model (format only, see tiny_model.py)
+    tiny_hidden_size: int = 128
+    tiny_num_layers: int = 2
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class DataConfig:
+    task: Literal["copy"] = "copy"
+    num_prompts: int = 1024
+    alphabet: str = "abcdefgh"
+    min_len: int = 2
+    max_len: int = 4
+
+
+@dataclass
+class RewardConfig:
+    name: Literal["copy"] = "copy"
+
+
+@dataclass
+class GeneratorConfig:
+    num_generators: int = 1  # launcher only: how many generator processes `asyncrl run` starts
+    backend: Literal["vllm", "hf"] = "vllm"
+    n: int = 8  # samples per prompt: one GRPO group
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_concurrent_groups: int = 16  # prompts leased and in flight at once
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float = 10.0
+    # vLLM engine settings, passed through.
+    max_model_len: int = 128
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    kv_cache_gb: float = 1.0  # CPU build only: VLLM_CPU_KVCACHE_SPACE
+    cpu_threads: int = 1  # CPU build only: OMP threads per engine
+
+
+@dataclass
+class BufferConfig:
+    redis_url: str = ""  # empty: `asyncrl run` starts a local redis-server on a free port
+    bind_host: str = "127.0.0.1"
+    ingest_port: int = 0  # 0: a free port, published in Redis for generators to find
+    capacity: int = 4096  # undelivered trajectory groups; past it ingest stops pulling (backpressure)
+    lease_timeout_s: float = 60.0  # a leased prompt not finished by then is handed to another generator
+    max_frame_bytes: int = 16 * 1024 * 1024
+    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    prompt_backlog: int = 64  # released-but-unleased prompts kept in the stream at most
+
+
+@dataclass
+class LearnerConfig:
+    nproc: int = 1  # torchrun ranks (FSDP2)
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    batch_groups: int = 8  # prompt groups per optimizer step
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    max_grad_norm: float = 1.0
+    poll_s: float = 0.5  # how long rank 0 blocks on Redis before re-checking membership
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    loss: Literal["decoupled_ppo"] = "decoupled_ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    is_cap: float = 2.0  # C in min(pi_prox / mu, C)
+    max_staleness: int = 1  # policy versions a trained token may lag behind the learner
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+
+
+@dataclass
+class WeightsConfig:
+    mode: Literal["keep", "abort", "drain"] = "keep"
+    sync_every: int = 1
+    bucket_mb: float = 64.0
+    join_timeout_s: float = 30.0  # members that do not join a new group epoch by then are dropped
+    sync_timeout_s: float = 60.0  # a broadcast that does not finish by then fails the epoch
+    port: int = 0  # 0: a free port for the weight group's TCPStore
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: no checkpoints; trajectories are then acked right after their step
+
+
+@dataclass
+class LoggingConfig:
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class DeployConfig:
+    bind_host: str = "127.0.0.1"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+    @property
+    def model_path(self) -> str:
+        return self.model.path or str(self.run_dir / "tiny-model")
+
+    def validate(self) -> Config:
+        """Cross-field checks; each error names the dotted path and the fix."""
+        checks = [
+            (self.generator.n > 1, f"generator.n must be > 1 for group advantages, got {self.generator.n}"),
+            (self.generator.temperature > 0, "generator.temperature must be > 0 (behaviour log-probs need a "
+             f"proper distribution), got {self.generator.temperature}"),
+            (0 < self.generator.top_p <= 1, f"generator.top_p must be in (0, 1], got {self.generator.top_p}"),
+            (self.generator.top_k == -1 or self.generator.top_k > 0,
+             f"generator.top_k must be -1 (off) or > 0, got {self.generator.top_k}"),
+            (self.generator.max_tokens > 0, "generator.max_tokens must be > 0"),
+            (self.generator.num_generators >= 0, "generator.num_generators must be >= 0"),
+            (self.learner.batch_groups > 0, "learner.batch_groups must be > 0"),
+            (self.learner.nproc >= 1, "learner.nproc must be >= 1"),
+            (self.learner.batch_groups % self.learner.nproc == 0,
+             f"learner.batch_groups ({self.learner.batch_groups}) must be divisible by learner.nproc "
+             f"({self.learner.nproc}) so every rank gets whole groups"),
+            (self.learner.batch_groups % self.learner.minibatches == 0,
+             "learner.batch_groups must be divisible by learner.minibatches"),
+            (self.algorithm.max_staleness >= 0, "algorithm.max_staleness must be >= 0"),
+            (self.algorithm.is_cap >= 1.0, f"algorithm.is_cap must be >= 1, got {self.algorithm.is_cap}"),
+            (self.run.max_steps > 0, "run.max_steps must be > 0"),
+            (self.weights.sync_every >= 1, "weights.sync_every must be >= 1"),
+            (self.weights.bucket_mb > 0, "weights.bucket_mb must be > 0"),
+            (self.data.min_len <= self.data.max_len, "data.min_len must be <= data.max_len"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        return self
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Checks (and for strings from the command line, converts) `value` against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported config annotation {tp} at {path}")
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+    where = f"{path}.{key}" if path else key
+    return ConfigError(f"unknown config key '{where}'{hint}")
+
+
+def _build(cls: type, data: dict[str, Any], path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown_key(path, key, list(fields))
+        sub = f"{path}.{key}" if path else key
+        tp = hints[key]
+        kwargs[key] = _build(tp, value, sub) if dataclasses.is_dataclass(tp) else _coerce(value, tp, sub)
+    return cls(**kwargs)
+
+
+def parse_override_value(text: str) -> Any:
+    """`key=value` values are YAML scalars: `1e-6`, `true`, `null`, `"quoted"`."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    # YAML 1.1 reads `1e-6` as a string; numbers written that way are what users mean.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. learner.lr=1e-6)")
+        dotted, text = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted}: {part} is not a section")
+        node[parts[-1]] = parse_override_value(text)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads YAML (default: configs/tiny.yaml), applies overrides, type-checks and validates."""
+    import yaml
+
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    data = apply_overrides(data, overrides or [])
+    return _build(Config, data, "").validate()
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    import yaml
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

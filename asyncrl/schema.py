@@ -1,0 +1,191 @@
+"""Every message that crosses a process boundary, and its validation.
+
+Imported by all roles; imports nothing heavy (no torch, no vLLM). Frames are msgpack (msgspec),
+never pickle. Token ids, log-probs and versions travel as little-endian packed arrays
+(int32 / float32 / int32) in `bytes` fields, not as lists of Python numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+I32 = np.dtype("<i4")
+F32 = np.dtype("<f4")
+
+
+class FrameError(ValueError):
+    """A frame that failed to decode or validate. `reason` is a short stable label for metrics."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def pack_i32(values) -> bytes:
+    return np.asarray(values, dtype=I32).tobytes()
+
+
+def pack_f32(values) -> bytes:
+    return np.asarray(values, dtype=F32).tobytes()
+
+
+def unpack_i32(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=I32)
+
+
+def unpack_f32(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=F32)
+
+
+class SamplingInfo(msgspec.Struct, frozen=True):
+    """The sampling settings a group was generated with; the learner refuses groups that disagree."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+class Sample(msgspec.Struct):
+    completion_ids: bytes  # int32 LE, one per generated token
+    logprobs: bytes  # float32 LE, behaviour log-prob of each token after temperature
+    versions: bytes  # int32 LE, policy version that produced each token
+    reward: float
+    finish_reason: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.completion_ids) // 4
+
+
+class TrajectoryGroup(msgspec.Struct, tag="trajectory_group"):
+    """All `n` samples for one prompt: the unit the buffer stores and the learner trains on."""
+
+    schema_version: int
+    group_id: str
+    prompt_id: str
+    generator_id: str
+    prompt_ids: bytes  # int32 LE
+    samples: list[Sample]
+    sampling: SamplingInfo
+    created_at: float  # wall-clock seconds when the group finished
+    reward_errors: int = 0
+
+    def min_version(self) -> int:
+        return min(int(unpack_i32(s.versions).min()) for s in self.samples if s.num_tokens)
+
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+
+class PromptTask(msgspec.Struct, tag="prompt_task"):
+    """One released prompt, leased by a generator from the prompts stream."""
+
+    schema_version: int
+    group_id: str  # unique per release: `{prompt_id}@{epoch}` so reclaims dedupe
+    prompt_id: str
+    prompt: str
+    answer: str
+    released_at: float
+
+
+class TensorMeta(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: list[int]
+    offset: int  # byte offset inside its bucket
+    nbytes: int
+
+
+class Bucket(msgspec.Struct, frozen=True):
+    nbytes: int
+    tensors: list[TensorMeta]
+
+
+class WeightAnnouncement(msgspec.Struct, tag="weight_announcement"):
+    """Announced before every broadcast: what the flat buckets that follow contain."""
+
+    schema_version: int
+    version: int
+    epoch: int
+    buckets: list[Bucket]
+    announced_at: float
+
+
+class GroupEpoch(msgspec.Struct, tag="group_epoch"):
+    """A weight broadcast group. Rank 0 is the learner; members[i] joins as rank i + 1."""
+
+    schema_version: int
+    epoch: int
+    addr: str
+    port: int
+    members: list[str]
+    backend: str  # "gloo" or "nccl"
+    opened_at: float
+
+
+Message = TrajectoryGroup | PromptTask | WeightAnnouncement | GroupEpoch
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {
+    cls: msgspec.msgpack.Decoder(cls) for cls in (TrajectoryGroup, PromptTask, WeightAnnouncement, GroupEpoch)
+}
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, cls: type, max_bytes: int = sys.maxsize):
+    """Decodes and validates one frame of type `cls`; raises FrameError with a reason label."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise FrameError("not_bytes", f"frame is {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise FrameError("too_large", f"{len(data)} bytes > max_frame_bytes {max_bytes}")
+    try:
+        message = _decoders[cls].decode(data)
+    except msgspec.ValidationError as e:
+        raise FrameError("schema", str(e)) from None
+    except msgspec.DecodeError as e:
+        raise FrameError("decode", str(e)) from None
+    if message.schema_version != SCHEMA_VERSION:
+        raise FrameError("schema_version", f"got {message.schema_version}, expected {SCHEMA_VERSION}")
+    if isinstance(message, TrajectoryGroup):
+        validate_group(message)
+    return message
+
+
+def validate_group(group: TrajectoryGroup, max_tokens: int | None = None) -> None:
+    """Semantic checks msgpack types cannot express; raises FrameError."""
+    if not group.group_id or not group.prompt_id:
+        raise FrameError("empty_id", "group_id and prompt_id must be non-empty")
+    if not group.samples:
+        raise FrameError("no_samples", f"group {group.group_id} has no samples")
+    if len(group.prompt_ids) == 0 or len(group.prompt_ids) % 4:
+        raise FrameError("bad_array", "prompt_ids must be a non-empty packed int32 array")
+    for i, s in enumerate(group.samples):
+        for name in ("completion_ids", "logprobs", "versions"):
+            if len(getattr(s, name)) % 4:
+                raise FrameError("bad_array", f"sample {i} {name} length {len(getattr(s, name))} is not a multiple of 4")
+        n = len(s.completion_ids)
+        if len(s.logprobs) != n or len(s.versions) != n:
+            raise FrameError(
+                "length_mismatch",
+                f"sample {i}: {n // 4} tokens, {len(s.logprobs) // 4} logprobs, {len(s.versions) // 4} versions",
+            )
+        if n == 0:
+            raise FrameError("empty_sample", f"sample {i} has no tokens")
+        if max_tokens is not None and n // 4 > max_tokens:
+            raise FrameError("too_long", f"sample {i} has {n // 4} tokens > {max_tokens}")
+        if not math.isfinite(s.reward):
+            raise FrameError("bad_reward", f"sample {i} reward {s.reward}")
+        lp = unpack_f32(s.logprobs)
+        if not np.all(np.isfinite(lp)) or np.any(lp > 1e-4):
+            raise FrameError("bad_logprob", f"sample {i} has non-finite or positive log-probs")
+        if np.any(unpack_i32(s.versions) < 0) or np.any(unpack_i32(s.completion_ids) < 0):
+            raise FrameError("bad_array", f"sample {i} has negative token ids or versions")

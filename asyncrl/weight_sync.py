@@ -1,0 +1,215 @@
+"""The weight-broadcast group protocol, shared by the learner (sender) and the generators (receivers).
+
+Group epochs: learner rank 0 owns a TCPStore. When the set of live generators differs from the
+current group's members it opens a new epoch: writes a GroupEpoch to Redis, waits up to
+`join_timeout_s` for each member's `ready/{id}` key under `PrefixStore(epoch/{n})`, and either sets
+`decision=go` (everyone came; all build a fresh ProcessGroup) or `decision=reform` (the missing ones
+are dropped and the next epoch is opened without them). Nobody ever blocks on a dead peer for longer
+than a timeout.
+
+Transfer: tensors are packed into flat uint8 buckets of at most `bucket_bytes` (one tensor larger
+than that gets a bucket of its own); a WeightAnnouncement with names/dtypes/shapes/offsets goes to
+Redis first, then each bucket is broadcast from rank 0. gloo on CPU, NCCL on CUDA, one code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.schema import SCHEMA_VERSION, Bucket, GroupEpoch, TensorMeta, WeightAnnouncement
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # byte alignment of every tensor inside a bucket, so views of any dtype are legal
+
+
+class SyncTimeout(RuntimeError):
+    """A member did not join or a broadcast did not finish within its timeout."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def plan_buckets(metas: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> list[Bucket]:
+    """Groups (name, dtype, shape) into buckets of at most `bucket_bytes`; offsets are ALIGN-aligned."""
+    buckets: list[Bucket] = []
+    current: list[TensorMeta] = []
+    used = 0
+    for name, dtype, shape in metas:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        offset = -(-used // ALIGN) * ALIGN
+        if current and offset + nbytes > bucket_bytes:
+            buckets.append(Bucket(nbytes=used, tensors=current))
+            current, used, offset = [], 0, 0
+        current.append(TensorMeta(name=name, dtype=dtype_name(dtype), shape=list(shape), offset=offset, nbytes=nbytes))
+        used = offset + nbytes
+    if current:
+        buckets.append(Bucket(nbytes=used, tensors=current))
+    return buckets
+
+
+def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float):
+    """A process group outside torch.distributed's global state (so it can coexist with torchrun's)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"unknown weight-group backend {backend!r}")
+
+
+def _broadcast(pg, tensor: torch.Tensor, timeout_s: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    work = pg.broadcast([tensor], opts)
+    if not work.wait(timedelta(seconds=timeout_s)):
+        raise SyncTimeout(f"broadcast did not finish in {timeout_s}s")
+
+
+def bucket_checksum(buf: torch.Tensor) -> int:
+    """A cheap order-sensitive-enough checksum of a flat uint8 bucket, equal on sender and receivers."""
+    words = buf[: buf.numel() // 4 * 4].view(torch.int32).to(torch.int64)
+    weights = torch.arange(1, words.numel() + 1, device=buf.device, dtype=torch.int64) % 65521
+    return int((words * weights).sum().item()) & 0xFFFFFFFFFFFF
+
+
+class WeightSender:
+    """Learner rank 0's side: group epochs over a TCPStore and bucketed broadcasts."""
+
+    def __init__(self, host: str, port: int, backend: str, join_timeout_s: float, sync_timeout_s: float,
+                 first_epoch: int = 0):
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=join_timeout_s))
+        self.host, self.port, self.backend = host, self.store.port, backend
+        self.join_timeout_s, self.sync_timeout_s = join_timeout_s, sync_timeout_s
+        self.epoch = first_epoch
+        self.members: list[str] = []
+        self.pg = None
+
+    def open_epoch(self, members: list[str], publish: Callable[[GroupEpoch], None],
+                   on_event: Callable[..., None]) -> list[str]:
+        """Forms a group with as many of `members` as join in time; returns who is in it."""
+        members = sorted(members)
+        self.pg = None
+        while True:
+            self.epoch += 1
+            info = GroupEpoch(schema_version=SCHEMA_VERSION, epoch=self.epoch, addr=self.host, port=self.port,
+                              members=members, backend=self.backend, opened_at=time.time())
+            publish(info)
+            if not members:
+                self.members = []
+                return []
+            ps = dist.PrefixStore(f"epoch/{self.epoch}", self.store)
+            deadline = time.monotonic() + self.join_timeout_s
+            missing = list(members)
+            while missing and time.monotonic() < deadline:
+                missing = [m for m in missing if not ps.check([f"ready/{m}"])]
+                if missing:
+                    time.sleep(0.02)
+            if missing:
+                # Why re-form rather than wait: a dead generator must never hold the learner.
+                ps.set("decision", "reform")
+                on_event("epoch_reform", epoch=self.epoch, dropped=",".join(missing))
+                log.warning("weight group epoch=%d: %s did not join in %.0fs; re-forming without them",
+                            self.epoch, missing, self.join_timeout_s)
+                members = [m for m in members if m not in missing]
+                continue
+            ps.set("decision", "go")
+            self.pg = new_group(dist.PrefixStore("pg", ps), 0, len(members) + 1, self.backend, self.sync_timeout_s)
+            self.members = members
+            on_event("epoch_open", epoch=self.epoch, members=",".join(members))
+            log.info("weight group epoch=%d members=%s", self.epoch, members)
+            return members
+
+    def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor]) -> list[int]:
+        """Broadcasts each flat bucket (already packed) in order; returns their checksums."""
+        assert self.pg is not None, "broadcast without a group"
+        sums = []
+        for bucket, buf in zip(buckets, bucket_tensors, strict=True):
+            assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
+            _broadcast(self.pg, buf, self.sync_timeout_s)
+            sums.append(bucket_checksum(buf))
+        return sums
+
+    def drop_group(self) -> None:
+        self.pg = None
+        self.members = []
+
+    def close(self) -> None:
+        self.pg = None
+
+
+def pack_buckets(buckets: list[Bucket], tensors: Iterator[tuple[str, torch.Tensor]],
+                 device: torch.device) -> Iterator[torch.Tensor]:
+    """Consumes (name, full tensor) in plan order and yields one filled flat buffer per bucket.
+
+    Only one bucket is alive at a time, so peak memory is one bucket plus one gathered tensor.
+    """
+    it = iter(tensors)
+    for bucket in buckets:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        for meta in bucket.tensors:
+            name, t = next(it)
+            assert name == meta.name, f"tensor order changed: {name} != {meta.name}"
+            t = t.detach().to(device=device, dtype=to_dtype(meta.dtype)).contiguous()
+            buf[meta.offset: meta.offset + meta.nbytes].copy_(t.view(-1).view(torch.uint8))
+        yield buf
+
+
+class WeightReceiver:
+    """A generator's side (inside each vLLM worker, or in the HF backend's process)."""
+
+    def __init__(self, member_id: str):
+        self.member_id = member_id
+        self.epoch = -1
+        self.pg = None
+        self._store = None
+
+    def join(self, info: GroupEpoch, timeout_s: float) -> bool:
+        """Joins `info`'s epoch; False when the learner re-formed it without us (look again)."""
+        if self.member_id not in info.members:
+            self.pg, self.epoch = None, info.epoch
+            return False
+        rank = info.members.index(self.member_id) + 1
+        self._store = dist.TCPStore(info.addr, info.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        ps = dist.PrefixStore(f"epoch/{info.epoch}", self._store)
+        ps.set(f"ready/{self.member_id}", "1")
+        ps.wait(["decision"], timedelta(seconds=timeout_s))
+        if ps.get("decision") != b"go":
+            self.pg = None
+            return False
+        if info.backend == "nccl":
+            torch.cuda.set_device(torch.cuda.current_device())
+        self.pg = new_group(dist.PrefixStore("pg", ps), rank, len(info.members) + 1, info.backend, timeout_s)
+        self.epoch = info.epoch
+        return True
+
+    def receive(self, ann: WeightAnnouncement, device: torch.device, timeout_s: float,
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (name, tensor) views into each received bucket, bucket by bucket."""
+        assert self.pg is not None and ann.epoch == self.epoch, "receive outside the announced epoch"
+        self.checksums = []
+        for bucket in ann.buckets:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            _broadcast(self.pg, buf, timeout_s)
+            self.checksums.append(bucket_checksum(buf))
+            for meta in bucket.tensors:
+                view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
+                yield meta.name, view

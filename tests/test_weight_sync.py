@@ -1,0 +1,74 @@
+"""The weight-group protocol across real processes over gloo: join, re-form without a dead member,
+bucketed transfer with checksums equal on both ends."""
+
+import multiprocessing as mp
+import time
+
+import torch
+
+from asyncrl.schema import SCHEMA_VERSION, WeightAnnouncement
+from asyncrl.weight_sync import WeightReceiver, WeightSender, pack_buckets, plan_buckets
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(64, 32, generator=g),
+        "b.bias": torch.randn(7, generator=g),
+        "c.weight": torch.randn(300, 300, generator=g).to(torch.bfloat16),
+    }
+
+
+def _member(member_id, epochs, anns, results, up):
+    recv = WeightReceiver(member_id)
+    up.put(member_id)
+    while True:
+        info = epochs.get(timeout=60)
+        if recv.join(info, timeout_s=20):
+            break
+    ann = anns.get(timeout=60)
+    got = {name: t.clone() for name, t in recv.receive(ann, torch.device("cpu"), timeout_s=20)}
+    results.put((member_id, info.epoch, {k: v.float().sum().item() for k, v in got.items()}, recv.checksums))
+
+
+def test_group_forms_without_a_dead_member_and_transfers_buckets():
+    ctx = mp.get_context("spawn")
+    epochs = [ctx.Queue(), ctx.Queue()]
+    anns = [ctx.Queue(), ctx.Queue()]
+    results, up = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(f"g{i}", epochs[i], anns[i], results, up)) for i in range(2)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        up.get(timeout=60)
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=3, sync_timeout_s=20)
+    events = []
+
+    def publish(info):
+        for q in epochs:
+            q.put(info)
+
+    t0 = time.monotonic()
+    # "g9" never shows up: the sender must drop it within the join timeout and re-form.
+    members = sender.open_epoch(["g0", "g1", "g9"], publish, lambda kind, **kw: events.append(kind))
+    assert members == ["g0", "g1"]
+    assert events == ["epoch_reform", "epoch_open"]
+    assert time.monotonic() - t0 < 15
+
+    tensors = _tensors()
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=64 * 1024)
+    assert len(buckets) >= 2, "the test wants a transfer of several buckets"
+    ann = WeightAnnouncement(schema_version=SCHEMA_VERSION, version=3, epoch=sender.epoch, buckets=buckets,
+                             announced_at=time.time())
+    for q in anns:
+        q.put(ann)
+    sums = sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
+    for _ in range(2):
+        member_id, epoch, got, checksums = results.get(timeout=60)
+        assert epoch == sender.epoch
+        assert checksums == sums
+        for name, t in tensors.items():
+            assert abs(got[name] - t.float().sum().item()) < 1e-3
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
