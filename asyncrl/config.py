@@ -30,7 +30,7 @@ class RunConfig:
     max_steps: int = 20
     seed: int = 0
     mode: Literal["async", "sync"] = "async"
-    startup_timeout_s: float = 600.0  # launcher: how long a role may take to come up
+    resume: bool = False  # launcher: keep the run's Redis state (and, with checkpoints, resume the learner)
 
 
 @dataclass
@@ -237,7 +237,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+    prefix = f"{path}." if path else ""
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
     where = f"{path}.{key}" if path else key
     return ConfigError(f"unknown config key '{where}'{hint}")
 

@@ -1,0 +1,130 @@
+"""The `asyncrl` console script. Thin: parses arguments, then imports the role it runs.
+
+Nothing heavy (torch, vLLM, transformers) is imported before a subcommand needs it, so
+`asyncrl --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _add_config_args(p: argparse.ArgumentParser, config_optional: bool = False) -> None:
+    p.add_argument("config", nargs="?" if config_optional else None, default=None,
+                   help="YAML config (default: configs/tiny.yaml)" if config_optional else "YAML config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6 run.max_steps=5")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def _load(args):
+    from asyncrl.config import ConfigError, dump_yaml, load_config
+
+    config, overrides = args.config, list(args.overrides)
+    # `asyncrl run run.max_steps=3`: the first positional is an override, not a file.
+    if config and "=" in config and not os.path.exists(config):
+        overrides.insert(0, config)
+        config = None
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        print(f"asyncrl: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        raise SystemExit(0)
+    _setup_logging(cfg.logging.level)
+    return cfg
+
+
+def cmd_run(args) -> int:
+    from asyncrl.launcher import Launcher
+
+    return Launcher(_load(args)).run()
+
+
+def cmd_buffer(args) -> int:
+    cfg = _load(args)
+    from buffers.service import main
+
+    main(cfg)
+    return 0
+
+
+def cmd_generator(args) -> int:
+    cfg = _load(args)
+    from asyncrl.launcher import ensure_model
+    from generators.main import main
+
+    ensure_model(cfg)
+    main(cfg, args.id)
+    return 0
+
+
+def cmd_learner(args) -> int:
+    cfg = _load(args)
+    from asyncrl.launcher import ensure_model, learner_command
+
+    ensure_model(cfg)
+    if "RANK" in os.environ:  # already under torchrun
+        from learners.trainer import main
+
+        main(cfg)
+        return 0
+    os.execvp(sys.executable, learner_command(cfg, args.config, args.overrides))
+    return 0
+
+
+def cmd_tiny_model(args) -> int:
+    _setup_logging()
+    from asyncrl.tiny_model import write_tiny_model
+
+    path = write_tiny_model(args.out, seed=args.seed, warm_start_steps=args.warm_start_steps)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous actor-learner RL post-training "
+                                     "for LLMs: vLLM generators -> ZeroMQ -> Redis buffer -> FSDP2 learner.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="start Redis, buffer, generators and learner on this machine; supervise")
+    _add_config_args(p, config_optional=True)
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("buffer", help="run the buffer service (ZeroMQ ingest -> Redis, prompt feed)")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_buffer)
+
+    p = sub.add_parser("generator", help="run one generator (a vLLM engine)")
+    _add_config_args(p)
+    p.add_argument("--id", required=True, help="generator id, unique in the run (e.g. g0)")
+    p.set_defaults(fn=cmd_generator)
+
+    p = sub.add_parser("learner", help="run the learner group (spawns torchrun with learner.nproc ranks)")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_learner)
+
+    p = sub.add_parser("tiny-model", help="write a tiny Qwen2 model + tokenizer in Hugging Face format")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-start-steps", type=int, default=0, help="supervised warm start on the copy task")
+    p.set_defaults(fn=cmd_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

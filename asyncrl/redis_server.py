@@ -1,0 +1,75 @@
+"""Starts a local `redis-server` on a free port with the persistence the project expects (AOF on)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """A real redis-server child process; `url` is where it listens. Bound to 127.0.0.1 only."""
+
+    def __init__(self, data_dir: str | Path, port: int | None = None, appendfsync: str = "everysec",
+                 password: str | None = None):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise FileNotFoundError("redis-server not found: install it (Debian: apt-get install -y redis-server) "
+                                    "or pass buffer.redis_url=redis://HOST:PORT/0")
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.password = password
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
+                "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
+        if password:
+            args += ["--requirepass", password]
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.data_dir / "redis.log").read_text()[-2000:] if (self.data_dir / "redis.log").exists() else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"redis-server did not listen on {self.port} within {timeout_s}s")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

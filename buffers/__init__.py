@@ -1,0 +1,1 @@
+"""The buffer service: ZeroMQ ingest into Redis streams, the prompt feed and admission control."""

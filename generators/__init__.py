@@ -1,0 +1,1 @@
+"""Generator processes: lease prompts, sample groups with vLLM, score, push over ZeroMQ."""

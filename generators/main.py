@@ -1,0 +1,267 @@
+"""`asyncrl generator CONFIG --id g0`: lease prompts, sample groups, score, push each group at once.
+
+State machine: `waiting_weights` (holds no current version: generates nothing) -> `generating`
+<-> `syncing`; SIGTERM -> `draining` (no new leases, in-flight groups finish and are pushed) -> gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+import redis.asyncio as aioredis
+import zmq
+import zmq.asyncio
+
+from asyncrl import schema
+from asyncrl.config import Config
+from asyncrl.keys import PROMPT_GROUP, Keys
+from asyncrl.rewards import get_reward
+
+log = logging.getLogger(__name__)
+
+
+class Generator:
+    def __init__(self, cfg: Config, generator_id: str, engine=None):
+        self.cfg = cfg
+        self.id = generator_id
+        self.keys = Keys(cfg.run.name)
+        self.engine = engine
+        self.reward_fn = get_reward(cfg.reward.name)
+        self.version = -1  # the policy version these weights are; -1 = none yet
+        self.epoch = -1
+        self.state = "starting"
+        self.inflight: set[asyncio.Task] = set()
+        self.stopping = asyncio.Event()
+        self.tokens = 0
+        self.groups = 0
+        self.reward_errors = 0
+        self.idle_s = 0.0
+        self.sync_s_total = 0.0
+        self.started = time.monotonic()
+        self._rate_mark, self._rate = (self.started, 0), 0.0
+        self.last_checksums: list[int] = []
+        self.sampling = schema.SamplingInfo(temperature=cfg.generator.temperature, top_p=cfg.generator.top_p,
+                                            top_k=cfg.generator.top_k)
+
+    # ---- set-up --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.redis = aioredis.Redis.from_url(self.cfg.buffer.redis_url, socket_timeout=30)
+        await self.redis.ping()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
+        if self.engine is None:
+            from generators.vllm_engine import VllmEngine
+
+            self.engine = VllmEngine(self.cfg, self.cfg.model_path)
+        # Weights on disk are version 0; they are current only while the learner is still at 0.
+        learner_version = int(await self.redis.get(self.keys.version) or 0)
+        wsync = await self.redis.get(self.keys.wsync)
+        if learner_version == 0 and wsync is None:
+            self.version = 0
+        self.ctx = zmq.asyncio.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        # Send high-water mark: when the buffer stops pulling, sends block here (backpressure).
+        self.push.setsockopt(zmq.SNDHWM, 64)
+        self.push.setsockopt(zmq.LINGER, 30_000)
+        addr = await self._wait_for(self.keys.ingest_addr, "the buffer's ingest address")
+        self.push.connect(addr.decode())
+        await self.heartbeat()
+        await self.redis.xadd(self.keys.events, {"kind": "generator_join", "id": self.id, "t": f"{time.time():.3f}"})
+        log.info("generator %s up: ingest=%s version=%d", self.id, addr.decode(), self.version)
+
+    async def _wait_for(self, key: str, what: str, timeout_s: float = 300) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = await self.redis.get(key)
+            if value:
+                return value
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"waited {timeout_s}s for {what} ({key}); is `asyncrl buffer` running?")
+
+    # ---- heartbeat and weights -----------------------------------------------------------------
+
+    async def heartbeat(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.started, 1e-6)
+        # tokens/s over the last heartbeat interval, not since start (engine start-up would dilute it)
+        t_prev, tok_prev = self._rate_mark
+        rate = (self.tokens - tok_prev) / max(now - t_prev, 1e-6)
+        if now - t_prev >= self.cfg.generator.heartbeat_s:
+            self._rate_mark, self._rate = (now, self.tokens), rate
+        fields = {
+            "id": self.id, "state": self.state, "version": self.version, "epoch": self.epoch,
+            "workers": self.engine.num_workers, "tokens": self.tokens, "groups": self.groups,
+            "tokens_per_s": self._rate, "idle_ratio": self.idle_s / elapsed,
+            "reward_errors": self.reward_errors, "sync_s_total": self.sync_s_total,
+            "checksums": ",".join(map(str, self.last_checksums)), "pid": os.getpid(),
+            "host": socket.gethostname(), "updated_at": time.time(),
+        }
+        key = self.keys.gen(self.id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, int(self.cfg.generator.heartbeat_ttl_s))
+            await pipe.execute()
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await self.heartbeat()
+            await asyncio.sleep(self.cfg.generator.heartbeat_s)
+
+    async def weights_loop(self) -> None:
+        """Follows the learner's group epochs and weight announcements (polled from Redis)."""
+        last_ann = None
+        while True:
+            try:
+                last_ann = await self._follow_weights(last_ann)
+            except Exception as e:  # a failed join/receive: hold no version until the next good sync
+                log.error("generator %s weight sync failed: %r; waiting for the next epoch", self.id, e)
+                self.version, self.epoch = -1, -1
+                await self.redis.xadd(self.keys.events, {"kind": "sync_failed", "id": self.id, "error": repr(e),
+                                                         "t": f"{time.time():.3f}"})
+            await asyncio.sleep(0.05)
+
+    async def _follow_weights(self, last_ann):
+        w = self.cfg.weights
+        epoch_frame = await self.redis.get(self.keys.wgroup)
+        if epoch_frame:
+            info = schema.decode(epoch_frame, schema.GroupEpoch)
+            if info.epoch > self.epoch and any(m.startswith(f"{self.id}.") for m in info.members):
+                ok = await self.engine.join(epoch_frame, self.id, w.join_timeout_s)
+                if ok:
+                    self.epoch = info.epoch
+                log.info("generator %s join epoch=%d ok=%s", self.id, info.epoch, ok)
+        ann_frame = await self.redis.get(self.keys.wsync)
+        if not ann_frame or self.epoch < 0:
+            return last_ann
+        ann = schema.decode(ann_frame, schema.WeightAnnouncement)
+        ident = (ann.epoch, ann.version, ann.announced_at)
+        # Every announcement of our epoch is a broadcast we must take part in, even one of a version
+        # we already hold: the learner's broadcast waits for all members.
+        if ann.epoch != self.epoch or ident == last_ann:
+            return last_ann
+        prev, self.state = self.state, "syncing"
+        await self.heartbeat()
+        stats = await self.engine.update_weights(ann_frame, w.mode, w.sync_timeout_s)
+        self.version = ann.version
+        self.last_checksums = stats["checksums"]
+        self.sync_s_total += stats["pause_s"]
+        self.state = prev if prev in ("draining", "generating") else "generating"
+        await self.heartbeat()
+        log.info("generator %s now at version %d (pause %.3fs)", self.id, self.version, stats["pause_s"])
+        return ident
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def process(self, entry_id: bytes, task: schema.PromptTask) -> None:
+        prompt_ids = self.tokenizer(task.prompt, add_special_tokens=False)["input_ids"]
+        outs = await self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
+        samples, errors = [], 0
+        for out in outs:
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            try:
+                reward = float(self.reward_fn(text, task.answer))
+            except Exception as e:  # a user reward function must never take the generator down
+                errors += 1
+                reward = 0.0
+                log.warning("reward error on group=%s: %r", task.group_id, e)
+            samples.append(schema.Sample(completion_ids=schema.pack_i32(out.token_ids),
+                                         logprobs=schema.pack_f32(out.logprobs),
+                                         versions=schema.pack_i32(out.versions), reward=reward,
+                                         finish_reason=out.finish_reason))
+        group = schema.TrajectoryGroup(schema_version=schema.SCHEMA_VERSION, group_id=task.group_id,
+                                       prompt_id=task.prompt_id, generator_id=self.id,
+                                       prompt_ids=schema.pack_i32(prompt_ids), samples=samples,
+                                       sampling=self.sampling, created_at=time.time(), reward_errors=errors)
+        await self.push.send(schema.encode(group))
+        # Ack only after the group is handed to ZeroMQ: a crash before this re-leases the prompt.
+        await self.redis.xack(self.keys.prompts, PROMPT_GROUP, entry_id)
+        self.tokens += group.num_tokens()
+        self.groups += 1
+        self.reward_errors += errors
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("group failed: %r", task.exception())
+            self.failure = task.exception()
+
+    async def lease_loop(self) -> None:
+        self.failure = None
+        cap = self.cfg.generator.max_concurrent_groups
+        while not self.stopping.is_set():
+            if self.failure is not None:
+                raise self.failure
+            if self.version < 0:
+                self.state = "waiting_weights"
+                await asyncio.sleep(0.1)
+                self.idle_s += 0.1
+                continue
+            if self.state != "syncing":
+                self.state = "generating"
+            free = cap - len(self.inflight)
+            if free <= 0:
+                await asyncio.sleep(0.01)
+                continue
+            t0 = time.monotonic()
+            reply = await self.redis.xreadgroup(PROMPT_GROUP, self.id, {self.keys.prompts: ">"}, count=free, block=200)
+            if not reply:
+                if not self.inflight:
+                    self.idle_s += time.monotonic() - t0
+                continue
+            for entry_id, fields in reply[0][1]:
+                try:
+                    task = schema.decode(fields[b"data"], schema.PromptTask)
+                except (schema.FrameError, KeyError) as e:
+                    log.error("bad prompt entry %s: %s", entry_id, e)
+                    await self.redis.xack(self.keys.prompts, PROMPT_GROUP, entry_id)
+                    continue
+                t = asyncio.create_task(self.process(entry_id, task))
+                self.inflight.add(t)
+                t.add_done_callback(self._done)
+
+    async def stop_watch(self) -> None:
+        while not self.stopping.is_set():
+            if await self.redis.exists(self.keys.stop):
+                self.stopping.set()
+            await asyncio.sleep(0.5)
+
+    async def run(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
+        loop.add_signal_handler(signal.SIGINT, self.stopping.set)
+        helpers = [asyncio.create_task(c) for c in (self.heartbeat_loop(), self.weights_loop(), self.stop_watch())]
+        try:
+            await self.lease_loop()
+            # Draining: no new leases; what is in flight finishes and is pushed.
+            self.state = "draining"
+            await self.heartbeat()
+            if self.inflight:
+                await asyncio.wait(self.inflight, timeout=120)
+        finally:
+            for h in helpers:
+                h.cancel()
+            await self.redis.delete(self.keys.gen(self.id))
+            await self.redis.xadd(self.keys.events, {"kind": "generator_leave", "id": self.id, "t": f"{time.time():.3f}"})
+            self.push.close(linger=30_000)
+            self.ctx.term()
+            self.engine.shutdown()
+            await self.redis.aclose()
+            log.info("generator %s left: groups=%d tokens=%d", self.id, self.groups, self.tokens)
+
+
+def main(cfg: Config, generator_id: str) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(Generator(cfg, generator_id).run())

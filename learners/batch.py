@@ -1,0 +1,62 @@
+"""Turning trajectory groups into padded training tensors (B = sequences, L = prompt + completion)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl import schema
+from asyncrl.algorithms import grpo_advantages
+
+
+@dataclass
+class Batch:
+    input_ids_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor
+    # Aligned with the logits at positions 0..L-2, i.e. predicting tokens 1..L-1:
+    targets_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    behav_logp_BT: torch.Tensor
+    versions_BT: torch.Tensor
+    adv_B: torch.Tensor
+    rewards_B: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask_BT.sum())
+
+
+def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, norm_std: bool, device) -> Batch:
+    seqs, masks, behav, vers, advs, rewards = [], [], [], [], [], []
+    for g in groups:
+        r = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
+        adv = grpo_advantages(r[None, :], norm_std=norm_std)[0]
+        prompt = schema.unpack_i32(g.prompt_ids)
+        for s, a in zip(g.samples, adv, strict=True):
+            comp = schema.unpack_i32(s.completion_ids)
+            seqs.append(np.concatenate([prompt, comp]))
+            # Token j of the sequence is predicted at position j-1; completion tokens start at len(prompt).
+            masks.append((len(prompt), len(comp)))
+            behav.append(schema.unpack_f32(s.logprobs))
+            vers.append(schema.unpack_i32(s.versions))
+            advs.append(float(a))
+            rewards.append(s.reward)
+    B, L = len(seqs), max(len(x) for x in seqs)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    loss_mask = torch.zeros((B, L - 1), dtype=torch.float32)
+    behav_t = torch.zeros((B, L - 1), dtype=torch.float32)
+    vers_t = torch.zeros((B, L - 1), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        input_ids[i, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
+        attn[i, : len(seq)] = 1
+        start, n = masks[i]
+        loss_mask[i, start - 1: start - 1 + n] = 1
+        behav_t[i, start - 1: start - 1 + n] = torch.from_numpy(behav[i].copy())
+        vers_t[i, start - 1: start - 1 + n] = torch.from_numpy(vers[i].astype(np.int64))
+    return Batch(input_ids_BL=input_ids.to(device), attention_mask_BL=attn.to(device),
+                 targets_BT=input_ids[:, 1:].to(device), loss_mask_BT=loss_mask.to(device),
+                 behav_logp_BT=behav_t.to(device), versions_BT=vers_t.to(device),
+                 adv_B=torch.tensor(advs, device=device), rewards_B=torch.tensor(rewards, device=device))

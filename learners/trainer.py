@@ -1,0 +1,350 @@
+"""`asyncrl learner CONFIG` (under torchrun): the FSDP2 learner group.
+
+Rank 0 is the only rank that talks to Redis. Every iteration it decides one command and broadcasts
+it to the other ranks, so all ranks stay in lockstep for FSDP collectives:
+  TRAIN (a batch of groups follows) | SYNC (push current weights to a changed fleet) | STOP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from asyncrl import schema
+from asyncrl.algorithms import decoupled_ppo_loss, token_logprobs
+from asyncrl.config import Config
+from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
+from asyncrl.store import ensure_groups, group_lag
+from asyncrl.weight_sync import SyncTimeout, WeightSender, pack_buckets, plan_buckets, to_dtype
+from learners.batch import build_batch
+
+log = logging.getLogger(__name__)
+
+TRAIN, SYNC, STOP = 1, 2, 3
+
+
+def _bcast_bytes(payload: bytes | None, rank: int, cmd: int = 0) -> tuple[int, bytes]:
+    """Rank 0 sends (cmd, payload) to every rank; others return what they got. No pickle."""
+    head = torch.tensor([cmd, len(payload) if payload else 0], dtype=torch.long)
+    dist.broadcast(head, src=0)
+    cmd, n = int(head[0]), int(head[1])
+    if n == 0:
+        return cmd, b""
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return cmd, buf.numpy().tobytes()
+
+
+class Learner:
+    def __init__(self, cfg: Config):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.cuda = torch.cuda.is_available()
+        backend = "nccl" if self.cuda else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(hours=2))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        torch.manual_seed(cfg.run.seed)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr,
+                                           weight_decay=cfg.learner.weight_decay)
+        self.pad_id = model.config.pad_token_id or 0
+        self.version = 0
+        self.step = 0
+        self.wire_dtype = to_dtype(cfg.model.dtype)
+        self.buckets = plan_buckets(
+            [(n, self.wire_dtype, tuple(t.shape)) for n, t in model.state_dict().items()],
+            int(cfg.weights.bucket_mb * 2**20))
+        if self.rank == 0:
+            self._init_rank0()
+
+    # ---- rank 0: Redis, fleet, metrics -------------------------------------------------------------
+
+    def _init_rank0(self) -> None:
+        cfg = self.cfg
+        self.keys = Keys(cfg.run.name)
+        self.client = connect(cfg.buffer.redis_url)
+        ensure_groups(self.client, self.keys)  # idempotent; the learner may start before the buffer
+        self.client.delete(self.keys.stop)
+        self.version = int(self.client.get(self.keys.version) or 0)
+        epoch0 = 0
+        if (frame := self.client.get(self.keys.wgroup)) is not None:
+            epoch0 = schema.decode(frame, schema.GroupEpoch).epoch
+        host = cfg.deploy.bind_host
+        self.sender = WeightSender(host, cfg.weights.port, "nccl" if self.cuda else "gloo",
+                                   cfg.weights.join_timeout_s, cfg.weights.sync_timeout_s, first_epoch=epoch0)
+        self.client.set(self.keys.version, self.version)
+        self.pending: list[schema.TrajectoryGroup] = []
+        self.dropped_stale = 0
+        self.idle_s = 0.0
+        self.t_start = time.monotonic()
+        self.last_fleet_check = 0.0
+        self.sync_s = 0.0
+        self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world)
+
+    def live_members(self) -> list[str]:
+        members = []
+        for key in self.client.scan_iter(self.keys.gen_pattern, count=1000):
+            info = self.client.hgetall(key)
+            if not info or info.get(b"state") in (b"draining",):
+                continue
+            gid = info[b"id"].decode()
+            members += [f"{gid}.{r}" for r in range(int(info.get(b"workers", 1)))]
+        return sorted(members)
+
+    def fleet_needs_sync(self) -> bool:
+        return set(self.live_members()) != set(self.sender.members)
+
+    def _read_groups(self, need: int) -> None:
+        block_ms = int(self.cfg.learner.poll_s * 1000)
+        reply = self.client.xreadgroup(LEARNER_GROUP, "learner-0", {self.keys.trajectories: ">"}, count=need,
+                                       block=block_ms)
+        if not reply:
+            return
+        stale = []
+        for entry_id, fields in reply[0][1]:
+            group = schema.decode(fields[b"data"], schema.TrajectoryGroup)
+            lag = self.version - group.min_version()
+            # Staleness rule: a group whose oldest token lags more than max_staleness is not trained on.
+            if lag > self.cfg.algorithm.max_staleness:
+                stale.append(entry_id)
+                continue
+            self.check_sampling(group)
+            self.pending.append((entry_id, group))
+        if stale:
+            self.dropped_stale += len(stale)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xack(self.keys.trajectories, LEARNER_GROUP, *stale)
+            pipe.hincrby(self.keys.learner, "dropped_groups", len(stale))
+            pipe.execute()
+            log_event(self.client, self.keys, "drop_stale", num=len(stale), version=self.version)
+
+    def check_sampling(self, group: schema.TrajectoryGroup) -> None:
+        g = self.cfg.generator
+        s = group.sampling
+        if (s.temperature, s.top_p, s.top_k) != (g.temperature, g.top_p, g.top_k):
+            raise RuntimeError(
+                f"group {group.group_id} from {group.generator_id} was sampled with temperature={s.temperature} "
+                f"top_p={s.top_p} top_k={s.top_k}, the learner is configured with temperature={g.temperature} "
+                f"top_p={g.top_p} top_k={g.top_k}: make generator.* agree in every process")
+
+    def decide(self) -> tuple[int, bytes]:
+        """Rank 0 waits for a full batch, interleaving fleet checks so late joiners get weights."""
+        need = self.cfg.learner.batch_groups
+        while True:
+            if self.step >= self.cfg.run.max_steps:
+                return STOP, b""
+            t0 = time.monotonic()
+            if len(self.pending) < need:
+                self._read_groups(need - len(self.pending))
+            if len(self.pending) >= need:
+                batch, self.pending = self.pending[:need], self.pending[need:]
+                self.batch_entries = [e for e, _ in batch]
+                self.batch_groups = [g for _, g in batch]
+                return TRAIN, msgspec.msgpack.encode([schema.encode(g) for g in self.batch_groups])
+            self.idle_s += time.monotonic() - t0
+            if time.monotonic() - self.last_fleet_check > 1.0:
+                self.last_fleet_check = time.monotonic()
+                if self.fleet_needs_sync():
+                    return SYNC, b""
+
+    # ---- all ranks ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            payload = None
+            cmd = 0
+            if self.rank == 0:
+                cmd, payload = self.decide()
+            cmd, payload = _bcast_bytes(payload, self.rank, cmd) if self.world > 1 else (cmd, payload)
+            if cmd == STOP:
+                break
+            if cmd == SYNC:
+                self.sync_weights()
+                continue
+            groups = [schema.decode(f, schema.TrajectoryGroup) for f in msgspec.msgpack.decode(payload)]
+            stats = self.train_step(groups[self.rank::self.world])
+            self.version += 1
+            self.step += 1
+            if self.rank == 0:
+                self.client.set(self.keys.version, self.version)
+            sync_s = 0.0
+            if self.version % self.cfg.weights.sync_every == 0:
+                sync_s = self.sync_weights()
+            if self.rank == 0:
+                self.after_step(groups, stats, sync_s)
+        if self.rank == 0:
+            self.client.set(self.keys.stop, f"{time.time():.3f}")
+            log_event(self.client, self.keys, "learner_done", version=self.version)
+        dist.barrier()
+
+    def train_step(self, groups: list[schema.TrajectoryGroup]) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batch = build_batch(groups, self.pad_id, norm_std=cfg.algorithm.advantage == "grpo", device=self.device)
+        temperature = cfg.generator.temperature
+        # Exact global token mean across ranks: scale each rank's loss by its share of all tokens.
+        ntok = torch.tensor([float(batch.num_tokens)], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(ntok)
+        share = batch.num_tokens * self.world / max(float(ntok), 1.0)
+        num_updates = cfg.learner.ppo_epochs * cfg.learner.minibatches
+        self.model.train()
+        prox = None
+        if num_updates > 1:
+            with torch.no_grad():
+                logits = self.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
+                prox = token_logprobs(logits[:, :-1], batch.targets_BT, temperature)
+        logits = self.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
+        logp = token_logprobs(logits[:, :-1], batch.targets_BT, temperature)
+        # With a single update per batch the proximal policy is the current one, exactly.
+        prox_logp = logp.detach() if prox is None else prox
+        loss, ls = decoupled_ppo_loss(logp, prox_logp, batch.behav_logp_BT, batch.adv_B, batch.loss_mask_BT,
+                                      cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.is_cap,
+                                      cfg.algorithm.aggregation)
+        (loss * share).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Further PPO epochs / minibatches re-use `prox`; kept simple here: one pass per update.
+        for _ in range(num_updates - 1):
+            logits = self.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
+            logp = token_logprobs(logits[:, :-1], batch.targets_BT, temperature)
+            loss2, _ = decoupled_ppo_loss(logp, prox, batch.behav_logp_BT, batch.adv_B, batch.loss_mask_BT,
+                                          cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.is_cap,
+                                          cfg.algorithm.aggregation)
+            (loss2 * share).backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        vals = torch.tensor([float(loss.detach()), ls.ratio_mean, ls.is_weight_mean, ls.ess, ls.clip_frac,
+                             ls.is_capped_frac], device=self.device)
+        maxes = torch.tensor([ls.ratio_max, ls.is_weight_max], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(vals)
+            vals /= self.world
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        return {"loss": float(vals[0]), "ratio_mean": float(vals[1]), "is_weight_mean": float(vals[2]),
+                "ess": float(vals[3]), "clip_frac": float(vals[4]), "is_capped_frac": float(vals[5]),
+                "ratio_max": float(maxes[0]), "is_weight_max": float(maxes[1]), "grad_norm": float(grad_norm),
+                "tokens": float(ntok), "step_s": time.perf_counter() - t0}
+
+    def full_tensors(self):
+        """(name, full tensor) in state-dict order; a collective on every rank (FSDP2 all-gather)."""
+        for name, t in self.model.state_dict().items():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            yield name, full.detach()
+
+    def sync_weights(self) -> float:
+        """Broadcast current weights to the fleet; every learner rank takes part in the gathers."""
+        t0 = time.perf_counter()
+        do_send = torch.tensor([0], dtype=torch.long)
+        if self.rank == 0:
+            if self.fleet_needs_sync() or self.sender.pg is None:
+                self.sender.open_epoch(self.live_members(), self._publish_epoch, self._event)
+            do_send[0] = 1 if self.sender.members else 0
+        if self.world > 1:
+            dist.broadcast(do_send, src=0)
+        if not int(do_send[0]):
+            return 0.0
+        tensors = self.full_tensors()
+        if self.rank != 0:
+            for _ in tensors:  # take part in every all-gather, in the same order as rank 0
+                pass
+            return time.perf_counter() - t0
+        ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=self.version,
+                                        epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time())
+        self.client.set(self.keys.wsync, schema.encode(ann))
+        send_dev = self.device
+        try:
+            self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev))
+            self.sync_s = time.perf_counter() - t0
+            self._event("sync", version=self.version, epoch=self.sender.epoch, seconds=f"{self.sync_s:.4f}",
+                        members=len(self.sender.members))
+        except (SyncTimeout, RuntimeError) as e:
+            # A member died mid-sync: finish the all-gathers (other ranks are in them), drop the group;
+            # the next fleet check re-forms it from the live heartbeats.
+            for _ in tensors:
+                pass
+            log.error("weight sync of version %d failed: %s; dropping the group", self.version, e)
+            self._event("sync_failed", version=self.version, epoch=self.sender.epoch, error=str(e)[:200])
+            self.sender.drop_group()
+            self.sync_s = time.perf_counter() - t0
+        return self.sync_s
+
+    def _publish_epoch(self, info: schema.GroupEpoch) -> None:
+        self.client.set(self.keys.wgroup, schema.encode(info))
+
+    def _event(self, kind: str, **fields) -> None:
+        log_event(self.client, self.keys, kind, **fields)
+
+    def after_step(self, groups: list[schema.TrajectoryGroup], stats: dict, sync_s: float) -> None:
+        # Without checkpoints the step's update is as durable as it gets: ack now.
+        # (With checkpoint.every > 0, acks wait for the checkpoint that holds the update.)
+        self.client.xack(self.keys.trajectories, LEARNER_GROUP, *self.batch_entries)
+        trained_version = self.version - 1
+        lags = []
+        for g in groups:
+            for s in g.samples:
+                lags.extend((trained_version - schema.unpack_i32(s.versions)).tolist())
+        rewards = [s.reward for g in groups for s in g.samples]
+        gen_tps, gen_info = 0.0, []
+        for key in self.client.scan_iter(self.keys.gen_pattern, count=1000):
+            info = self.client.hgetall(key)
+            if info:
+                gen_tps += float(info.get(b"tokens_per_s", 0))
+                gen_info.append(info)
+        elapsed = time.monotonic() - self.t_start
+        depth = group_lag(self.client, self.keys.trajectories, LEARNER_GROUP)
+        row = {
+            "step": self.step, "version": self.version, "time": time.time(), "elapsed_s": elapsed,
+            "reward_mean": sum(rewards) / len(rewards), "reward_max": max(rewards),
+            "lag_mean": sum(lags) / max(len(lags), 1), "lag_max": max(lags) if lags else 0,
+            "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
+            "dropped_stale": self.dropped_stale, "num_groups": len(groups),
+            "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": stats["tokens"] / max(stats["step_s"], 1e-9),
+            "sync_s": sync_s, "buffer_depth": depth, "idle_ratio": self.idle_s / max(elapsed, 1e-9),
+            "num_generators": len(gen_info),
+            **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
+            "sample_age_s": time.time() - min(g.created_at for g in groups),
+        }
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.client.hset(self.keys.learner, mapping={"step": self.step, "version": self.version,
+                                                     "idle_ratio": row["idle_ratio"], "updated_at": time.time(),
+                                                     "tokens_per_s": row["learner_tokens_per_s"]})
+        print(f"step={self.step:4d} version={self.version:4d} reward={row['reward_mean']:.3f} "
+              f"lag={row['lag_mean']:.2f}/{row['lag_max']} dropped_stale={self.dropped_stale} "
+              f"gen_tok/s={gen_tps:8.1f} learn_tok/s={row['learner_tokens_per_s']:8.1f} "
+              f"sync_s={sync_s:.3f} depth={depth} loss={stats['loss']:+.4f}", flush=True)
+
+
+def main(cfg: Config) -> None:
+    learner = Learner(cfg)
+    try:
+        learner.run()
+    finally:
+        dist.destroy_process_group()
