@@ -95,7 +95,7 @@ class BufferConfig:
 @dataclass
 class LearnerConfig:
     nproc: int = 1  # torchrun ranks (FSDP2)
-    lr: float = 2e-3
+    lr: float = 5e-4
     weight_decay: float = 0.0
     batch_groups: int = 8  # prompt groups per optimizer step
     ppo_epochs: int = 1

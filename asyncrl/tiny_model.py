@@ -88,7 +88,7 @@ def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, ba
         loss.backward()
         opt.step()
         opt.zero_grad()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
     model.eval()
     return loss_value
 

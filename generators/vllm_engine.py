@@ -109,9 +109,6 @@ class VllmEngine:
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": max(r["seconds"] for r in results),
                 "checksums": results[0]["checksums"]}
 
-    async def param_checksum(self) -> float:
-        return (await self.engine.collective_rpc("asyncrl_param_checksum"))[0]
-
     def shutdown(self) -> None:
         self.engine.shutdown()
         # Drop the last reference now: AsyncLLM.__del__ during interpreter exit fails noisily.

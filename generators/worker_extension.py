@@ -37,8 +37,3 @@ class AsyncRLWorkerExtension:
         for _ in weights:  # every bucket must be received, or the learner's broadcast would wait
             pass
         return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0}
-
-    def asyncrl_param_checksum(self) -> float:
-        """Sum of all parameters in float64: compared against the learner's after a sync in tests."""
-        model = self.model_runner.get_model()
-        return float(sum(p.detach().double().sum() for p in model.parameters()))

@@ -328,6 +328,7 @@ class Learner:
             "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": stats["tokens"] / max(stats["step_s"], 1e-9),
             "sync_s": sync_s, "buffer_depth": depth, "idle_ratio": self.idle_s / max(elapsed, 1e-9),
             "num_generators": len(gen_info),
+            "generators_in_batch": sorted({g.generator_id for g in groups}),
             **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
             "sample_age_s": time.time() - min(g.created_at for g in groups),
         }

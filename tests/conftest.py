@@ -1,0 +1,40 @@
+"""Shared fixtures: a real redis-server per test, a tiny model per session, config factories."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.redis_server import LocalRedis
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is required (apt-get install -y redis-server)")
+    server = LocalRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from asyncrl.tiny_model import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, warm_start_steps=30))
+
+
+@pytest.fixture
+def make_cfg(tmp_path, tiny_model):
+    def make(*overrides, redis=None):
+        base = [f"run.dir={tmp_path / 'runs'}", f"model.path={tiny_model}"]
+        if redis is not None:
+            base.append(f"buffer.redis_url={redis.url}")
+        return load_config(None, base + list(overrides))
+
+    return make

@@ -1,0 +1,117 @@
+"""The buffer service over a real redis-server and real ZeroMQ sockets."""
+
+import threading
+import time
+
+import zmq
+
+from asyncrl import schema
+from asyncrl.keys import PROMPT_GROUP, Keys
+from asyncrl.store import LEARNER_GROUP
+from buffers.service import BufferService, admission_budget
+from tests.helpers import make_group
+
+
+def _start(cfg):
+    svc = BufferService(cfg)
+    t = threading.Thread(target=svc.run, daemon=True)
+    t.start()
+    deadline = time.time() + 10
+    while not svc.client.get(svc.keys.ingest_addr) and time.time() < deadline:
+        time.sleep(0.05)
+    return svc, t
+
+
+def _push(addr, frames):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 2000)
+    s.connect(addr)
+    for f in frames:
+        s.send(f)
+    s.close()
+
+
+def _wait(pred, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_garbage_frames_are_counted_and_the_service_keeps_going(make_cfg, redis_server):
+    cfg = make_cfg("run.name=ingest", redis=redis_server)
+    svc, t = _start(cfg)
+    try:
+        good = make_group("p1@e0")
+        bad_lengths = make_group("p2@e0")
+        bad_lengths.samples[0].logprobs = schema.pack_f32([-0.1])  # 1 log-prob for 3 tokens
+        frames = [
+            b"\x00\xffgarbage\x13\x37" * 10,  # not msgpack
+            schema.encode(bad_lengths),  # decodes, fails validation
+            schema.encode(make_group("p3@e0"))[:-5],  # truncated
+            schema.encode(good),
+            schema.encode(good),  # a duplicate of the same group id
+        ]
+        _push(svc.ingest_addr, frames)
+        assert _wait(lambda: svc.counters.get("frames", 0) == 5)
+        assert t.is_alive(), "a bad frame must never stop the service"
+        rejects = {k: v for k, v in svc.counters.items() if k.startswith("reject:")}
+        assert sum(rejects.values()) == 3, rejects
+        assert rejects.get("reject:length_mismatch") == 1
+        assert svc.counters["groups"] == 1 and svc.counters["dedupes"] == 1
+        entries = svc.client.xrange(svc.keys.trajectories)
+        assert len(entries) == 1
+        assert schema.decode(entries[0][1][b"data"], schema.TrajectoryGroup).group_id == "p1@e0"
+        svc.publish_metrics()
+        assert int(svc.client.hget(svc.keys.metrics, "buffer:reject:length_mismatch")) == 1
+    finally:
+        svc.stop()
+        t.join(timeout=10)
+
+
+def test_admission_control_bounds_released_prompts(make_cfg, redis_server):
+    cfg = make_cfg("run.name=admit", "learner.batch_groups=4", "algorithm.max_staleness=1", redis=redis_server)
+    svc, t = _start(cfg)
+    keys = Keys("admit")
+    try:
+        # Learner at version 0, staleness 1: at most (0 + 1 + 1) * 4 = 8 groups released.
+        assert _wait(lambda: svc.client.xlen(keys.prompts) == 8)
+        time.sleep(0.5)
+        assert svc.client.xlen(keys.prompts) == 8
+        svc.client.set(keys.version, 2)
+        assert _wait(lambda: svc.client.xlen(keys.prompts) == admission_budget(2, 1, 4, 0) == 16)
+        # A dropped group is given back to the budget so the pipe never starves.
+        svc.client.hset(keys.learner, "dropped_groups", 3)
+        assert _wait(lambda: svc.client.xlen(keys.prompts) == 19)
+        ids = [schema.decode(f[b"data"], schema.PromptTask).group_id for _, f in svc.client.xrange(keys.prompts)]
+        assert len(set(ids)) == len(ids)
+    finally:
+        svc.stop()
+        t.join(timeout=10)
+
+
+def test_expired_leases_are_reclaimed_and_late_duplicates_dropped(make_cfg, redis_server):
+    cfg = make_cfg("run.name=reclaim", "learner.batch_groups=2", "buffer.lease_timeout_s=0.5", redis=redis_server)
+    svc, t = _start(cfg)
+    keys = Keys("reclaim")
+    try:
+        assert _wait(lambda: svc.client.xlen(keys.prompts) == 4)
+        # A generator leases two prompts and dies without acking them.
+        leased = svc.client.xreadgroup(PROMPT_GROUP, "dead-gen", {keys.prompts: ">"}, count=2)[0][1]
+        gids = {schema.decode(f[b"data"], schema.PromptTask).group_id for _, f in leased}
+        assert _wait(lambda: svc.counters.get("reclaims", 0) >= 2, timeout=15)
+        again = svc.client.xreadgroup(PROMPT_GROUP, "live-gen", {keys.prompts: ">"}, count=10)[0][1]
+        regids = [schema.decode(f[b"data"], schema.PromptTask).group_id for _, f in again]
+        assert gids <= set(regids), "reclaimed prompts keep their group ids"
+        # Both the late original and the re-run push the same group: it lands once.
+        gid = sorted(gids)[0]
+        _push(svc.ingest_addr, [schema.encode(make_group(gid)), schema.encode(make_group(gid))])
+        assert _wait(lambda: svc.counters.get("dedupes", 0) == 1)
+        assert svc.client.xlen(keys.trajectories) == 1
+        assert svc.client.xinfo_groups(keys.trajectories)[0]["name"] in (LEARNER_GROUP, LEARNER_GROUP.encode())
+    finally:
+        svc.stop()
+        t.join(timeout=10)

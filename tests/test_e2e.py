@@ -1,0 +1,108 @@
+"""End-to-end runs with every real part: redis-server, buffer, vLLM generators (CPU build), a
+torchrun FSDP2 learner group over gloo, and the weight broadcast group."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from asyncrl.config import dump_yaml
+from asyncrl.redis_server import LocalRedis
+
+
+def _metrics(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_default_run_learns_within_the_staleness_bound(tmp_path, tiny_model):
+    run_dir = tmp_path / "runs" / "tiny"
+    steps = 24
+    r = subprocess.run([sys.executable, "-m", "asyncrl", "run", f"run.dir={tmp_path / 'runs'}",
+                        f"run.max_steps={steps}", f"model.path={tiny_model}"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = _metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert sum(1 for line in r.stdout.splitlines() if line.startswith("step=")) == steps
+    first = sum(row["reward_mean"] for row in rows[:4]) / 4
+    last = sum(row["reward_mean"] for row in rows[-6:]) / 6
+    assert last > first + 0.08, f"reward did not rise: first={first:.3f} last={last:.3f}"
+    # Every trained token's version lag is within algorithm.max_staleness (1 in tiny.yaml).
+    assert max(row["lag_max"] for row in rows) <= 1
+    assert all(int(k) <= 1 for row in rows for k in row["lag_hist"])
+    assert rows[-1]["version"] == steps
+
+
+@pytest.mark.slow
+def test_separate_processes_two_generators_two_learner_ranks(tmp_path, tiny_model):
+    """The same run launched as separate commands, as a user would in separate shells."""
+    from asyncrl.config import load_config
+
+    redis = LocalRedis(tmp_path / "redis").start()
+    run_dir = tmp_path / "runs" / "split"
+    cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.name=split", "run.max_steps=4",
+                             f"model.path={tiny_model}", f"buffer.redis_url={redis.url}", "learner.nproc=2",
+                             "generator.kv_cache_gb=0.5"])
+    cfg_path = tmp_path / "split.yaml"
+    cfg_path.write_text(dump_yaml(cfg))
+    py = [sys.executable, "-m", "asyncrl"]
+    logs = {}
+    procs = {}
+
+    def spawn(name, argv):
+        logs[name] = open(tmp_path / f"{name}.log", "w")
+        procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT, start_new_session=True)
+
+    try:
+        spawn("buffer", [*py, "buffer", str(cfg_path)])
+        spawn("g0", [*py, "generator", str(cfg_path), "--id", "g0"])
+        spawn("g1", [*py, "generator", str(cfg_path), "--id", "g1"])
+        spawn("learner", [*py, "learner", str(cfg_path)])
+        assert procs["learner"].wait(timeout=900) == 0, (tmp_path / "learner.log").read_text()[-4000:]
+        # The learner set the stop key: buffer and generators leave on their own, cleanly.
+        for name in ("buffer", "g0", "g1"):
+            assert procs[name].wait(timeout=120) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        rows = _metrics(run_dir)
+        assert [row["step"] for row in rows] == [1, 2, 3, 4]
+        text = (tmp_path / "learner.log").read_text()
+        assert "members=['g0.0', 'g1.0']" in text, "both generators must be in the weight group"
+        gens = {g for row in rows for g in row.get("generators_in_batch", [])}
+        assert gens == {"g0", "g1"}, gens
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in logs.values():
+            f.close()
+        redis.stop()
+
+
+@pytest.mark.slow
+def test_ctrl_c_tears_down_every_child(tmp_path, tiny_model):
+    run_dir = tmp_path / "runs" / "tiny"
+    launcher = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", f"run.dir={tmp_path / 'runs'}",
+                                 "run.max_steps=1000", f"model.path={tiny_model}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while not _metrics(run_dir) and time.time() < deadline:
+            assert launcher.poll() is None, "the run died before its first step"
+            time.sleep(0.5)
+        assert _metrics(run_dir), "no step within the deadline"
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(tree) >= 4, "expected redis, buffer, generator (+ engine core) and learner (+ rank)"
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=120) == 130
+        time.sleep(1.0)
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"orphans survived: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
