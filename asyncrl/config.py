@@ -31,6 +31,9 @@ class RunConfig:
     seed: int = 0
     mode: Literal["async", "sync"] = "async"
     resume: bool = False  # launcher: keep the run's Redis state (and, with checkpoints, resume the learner)
+    # Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off.
+    stall_timeout_s: float = 300.0
+    on_stall: Literal["warn", "fail"] = "warn"  # fail: the launcher stops the run with exit code 3
 
 
 @dataclass
@@ -128,11 +131,23 @@ class WeightsConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0  # 0: no checkpoints; trajectories are then acked right after their step
+    dir: str = ""  # empty: {run_dir}/checkpoints
+    keep: int = 2  # complete checkpoints kept
+    resume: Literal["auto", "never", "must"] = "auto"  # auto: resume the latest complete checkpoint
+    export_hf: bool = True  # write {run_dir}/hf-final (safetensors) when the run ends
 
 
 @dataclass
 class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Learner rank 0 writes every step (the fleet's metrics included) to each backend.
+    backends: list[Literal["jsonl", "wandb", "tensorboard"]] = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str = "asyncrl"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: files under {run_dir}/wandb
+    prometheus: bool = True  # a /metrics endpoint in every process
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: int = 0  # 0: a free port; N: N, or the next free one up to N+63. Published in Redis.
+    lag_history: int = 100  # batches whose version-lag histogram `asyncrl status` shows
 
 
 @dataclass
@@ -158,6 +173,10 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir) / self.run.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
     @property
     def model_path(self) -> str:
@@ -187,6 +206,8 @@ class Config:
             (self.weights.sync_every >= 1, "weights.sync_every must be >= 1"),
             (self.weights.bucket_mb > 0, "weights.bucket_mb must be > 0"),
             (self.data.min_len <= self.data.max_len, "data.min_len must be <= data.max_len"),
+            (self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
+             "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -232,6 +253,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{path}: expected a string, got {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):  # `logging.backends=jsonl,wandb` on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     raise AssertionError(f"unsupported config annotation {tp} at {path}")
 
 

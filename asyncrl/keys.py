@@ -69,6 +69,16 @@ class Keys:
     def stop(self) -> str:
         return self._k("stop")
 
+    @property
+    def exporters(self) -> str:
+        """Hash: role (`buffer`, `learner`, `generator:{id}`) -> its Prometheus /metrics URL."""
+        return self._k("exporters")
+
+    @property
+    def lag_history(self) -> str:
+        """List (newest first, capped): one JSON version-lag histogram per trained batch."""
+        return self._k("lag_history")
+
 
 def connect(url: str):
     """A redis-py client with bytes replies; fails fast with the URL if Redis is not there."""
