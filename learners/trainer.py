@@ -7,7 +7,6 @@ it to the other ranks, so all ranks stay in lockstep for FSDP collectives:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -101,6 +100,9 @@ class Learner:
         self.sync_s = 0.0
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        from asyncrl.metrics import LearnerObservability
+
+        self.obs = LearnerObservability(cfg, self.client, self.keys)  # jsonl/wandb/TensorBoard, /metrics
         log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world)
 
     def live_members(self) -> list[str]:
@@ -332,8 +334,7 @@ class Learner:
             **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
             "sample_age_s": time.time() - min(g.created_at for g in groups),
         }
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.obs.on_step(row, rewards)  # adds reward quantiles, dropped fraction, fleet metrics
         self.client.hset(self.keys.learner, mapping={"step": self.step, "version": self.version,
                                                      "idle_ratio": row["idle_ratio"], "updated_at": time.time(),
                                                      "tokens_per_s": row["learner_tokens_per_s"]})
