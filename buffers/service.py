@@ -78,6 +78,9 @@ class BufferService:
         self.client.set(self.keys.ingest_addr, self.ingest_addr)
         log_event(self.client, self.keys, "buffer_start", addr=self.ingest_addr)
         log.info("buffer up: ingest=%s prompts=%d", self.ingest_addr, len(self.rows))
+        from asyncrl.exporter import start_exporter
+
+        self.exporter = start_exporter(self.cfg, "buffer", client=self.client, keys=self.keys)
 
     def count(self, name: str, k: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + k
@@ -186,6 +189,10 @@ class BufferService:
         fields = {**self.counters, "depth": self.depth(), "groups_per_s": (groups - groups0) / dt,
                   "bytes_per_s": (nbytes - bytes0) / dt, "updated_at": time.time()}
         self.client.hset(self.keys.metrics, mapping={f"buffer:{k}": v for k, v in fields.items()})
+        if (exporter := getattr(self, "exporter", None)) is not None:  # started in setup()
+            from asyncrl.metrics import oldest_undelivered_age_s
+
+            exporter.update({**fields, "oldest_age_s": oldest_undelivered_age_s(self.client, self.keys)})
 
     # ---- main loop -----------------------------------------------------------------------------
 

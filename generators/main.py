@@ -72,6 +72,11 @@ class Generator:
         self.push.setsockopt(zmq.LINGER, 30_000)
         addr = await self._wait_for(self.keys.ingest_addr, "the buffer's ingest address")
         self.push.connect(addr.decode())
+        from asyncrl.exporter import exporter_field, start_exporter
+
+        self.exporter = start_exporter(self.cfg, "generator", self.id)  # /metrics; URL published below
+        if self.exporter is not None:
+            await self.redis.hset(self.keys.exporters, exporter_field("generator", self.id), self.exporter.url)
         await self.heartbeat()
         await self.redis.xadd(self.keys.events, {"kind": "generator_join", "id": self.id, "t": f"{time.time():.3f}"})
         log.info("generator %s up: ingest=%s version=%d", self.id, addr.decode(), self.version)
@@ -108,6 +113,8 @@ class Generator:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, int(self.cfg.generator.heartbeat_ttl_s))
             await pipe.execute()
+        if (exporter := getattr(self, "exporter", None)) is not None:  # started in start()
+            exporter.update(fields)
 
     async def heartbeat_loop(self) -> None:
         while True:
