@@ -82,6 +82,34 @@ def cmd_learner(args) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    _setup_logging()
+    from asyncrl.data import prepare_gsm8k
+
+    try:
+        counts = prepare_gsm8k(args.src, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"asyncrl data: {e}", file=sys.stderr)
+        return 2
+    for split, num in counts.items():
+        print(f"{args.out}/{split}.parquet: {num} rows")
+    return 0
+
+
+def cmd_data(args) -> int:
+    _setup_logging()
+    from asyncrl.data import prepare_gsm8k
+
+    try:
+        counts = prepare_gsm8k(args.src, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"asyncrl data: {e}", file=sys.stderr)
+        return 2
+    for split, num in counts.items():
+        print(f"{args.out}/{split}.parquet: {num} rows")
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     _setup_logging()
     from asyncrl.tiny_model import write_tiny_model
@@ -112,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("learner", help="run the learner group (spawns torchrun with learner.nproc ranks)")
     _add_config_args(p)
     p.set_defaults(fn=cmd_learner)
+
+    p = sub.add_parser("data", help="prepare a dataset (GSM8K -> train/test parquet)")
+    p.add_argument("dataset", choices=["gsm8k"])
+    p.add_argument("--src", required=True, help="folder with train.jsonl/test.jsonl, or a Hugging Face name "
+                   "(e.g. openai/gsm8k; needs `datasets` and network)")
+    p.add_argument("--out", required=True, help="output folder for train.parquet and test.parquet")
+    p.set_defaults(fn=cmd_data)
 
     p = sub.add_parser("tiny-model", help="write a tiny Qwen2 model + tokenizer in Hugging Face format")
     p.add_argument("--out", required=True)

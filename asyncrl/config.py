@@ -48,16 +48,35 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: Literal["copy"] = "copy"
-    num_prompts: int = 1024
+    task: Literal["copy", "gsm8k", "prompts"] = "copy"
+    num_prompts: int = 1024  # copy task only
     alphabet: str = "abcdefgh"
     min_len: int = 2
     max_len: int = 4
+    # gsm8k / prompts: a parquet or jsonl file (`asyncrl data gsm8k` writes train/test parquet).
+    path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    id_key: str = ""  # empty: rows are named {file stem}-{row index}
+    max_prompt_chars: int = 0  # > 0: rows with longer prompts are skipped (tiny-model runs)
+    chat_template: bool = False  # apply the tokenizer's chat template (plain text when it has none)
 
 
 @dataclass
 class RewardConfig:
-    name: Literal["copy"] = "copy"
+    name: Literal["copy", "gsm8k", "math"] = "copy"
+    extract: Literal["auto", "hash", "boxed", "last_number"] = "auto"  # math rewards: see math_reward.py
+    format_bonus: float = 0.0  # math rewards: score of a well-formatted but wrong answer
+    math_verify: bool = True  # math rewards: use math-verify for non-numeric answers when installed
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # learner steps between evaluation rounds; 0: no evaluation
+    num_prompts: int = 64  # the first rows of the held-out set
+    k: int = 4  # samples per prompt at generator.temperature for mean@k; 0: greedy only
+    path: str = ""  # empty: the test split beside data.path (train -> test in the file name)
+    timeout_s: float = 600.0  # a round not complete by then is logged as incomplete and dropped
 
 
 @dataclass
@@ -93,6 +112,11 @@ class BufferConfig:
     max_frame_bytes: int = 16 * 1024 * 1024
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
     prompt_backlog: int = 64  # released-but-unleased prompts kept in the stream at most
+    redis_retry_s: float = 600.0  # every role retries a lost Redis (restart) this long before failing
+    # How the learner picks groups (learners/reader.py): oldest first; newest first within the
+    # staleness bound; or each group reused up to `replay_ratio` times within the staleness bound.
+    sampling: Literal["fifo", "newest", "replay"] = "fifo"
+    replay_ratio: int = 1
 
 
 @dataclass
@@ -169,6 +193,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -206,6 +232,22 @@ class Config:
             (self.weights.sync_every >= 1, "weights.sync_every must be >= 1"),
             (self.weights.bucket_mb > 0, "weights.bucket_mb must be > 0"),
             (self.data.min_len <= self.data.max_len, "data.min_len must be <= data.max_len"),
+            (self.data.task == "copy" or bool(self.data.path),
+             f"data.path must name a parquet/jsonl file for data.task={self.data.task} "
+             "(e.g. run `asyncrl data gsm8k --src openai/gsm8k --out data/gsm8k`, then data.path=data/gsm8k/train.parquet)"),
+            (self.eval.every >= 0 and self.eval.num_prompts > 0 and self.eval.k >= 0,
+             "eval.every must be >= 0, eval.num_prompts > 0 and eval.k >= 0"),
+            (self.buffer.capacity > 0, f"buffer.capacity must be > 0, got {self.buffer.capacity}"),
+            (self.buffer.replay_ratio >= 1, f"buffer.replay_ratio must be >= 1, got {self.buffer.replay_ratio}"),
+            (self.buffer.replay_ratio == 1 or self.buffer.sampling == "replay",
+             f"buffer.replay_ratio={self.buffer.replay_ratio} only takes effect with buffer.sampling=replay "
+             f"(got buffer.sampling={self.buffer.sampling})"),
+            (self.buffer.redis_retry_s > 0, "buffer.redis_retry_s must be > 0"),
+            (self.data.task == "copy" or bool(self.data.path),
+             f"data.path must name a parquet/jsonl file for data.task={self.data.task} "
+             "(e.g. run `asyncrl data gsm8k --src openai/gsm8k --out data/gsm8k`, then data.path=data/gsm8k/train.parquet)"),
+            (self.eval.every >= 0 and self.eval.num_prompts > 0 and self.eval.k >= 0,
+             "eval.every must be >= 0, eval.num_prompts > 0 and eval.k >= 0"),
             (self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
              "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
         ]

@@ -97,9 +97,13 @@ class Launcher:
                 log.warning("fresh run: clearing %d keys of an earlier run named %r (run.resume=true keeps them)",
                             len(stale), cfg.run.name)
                 client.delete(*stale)
+            stamp = int(time.time())
             metrics = self.run_dir / "metrics.jsonl"
             if metrics.exists():
-                metrics.rename(self.run_dir / f"metrics.{int(time.time())}.jsonl")
+                metrics.rename(self.run_dir / f"metrics.{stamp}.jsonl")
+            if cfg.checkpoint_dir.exists() and not cfg.checkpoint.dir:
+                # A fresh run must not resume an earlier run's checkpoints; keep them aside.
+                cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
         client.delete(keys.stop)
         ensure_model(cfg)
         cfg_path = self.run_dir / "config.yaml"
@@ -157,7 +161,24 @@ class Launcher:
 
 
 def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    """Signals the child's session and every descendant: torchrun starts its ranks in sessions of
+    their own, so a session-wide kill alone would leave them running."""
+    kill_tree(child.pid, sig)
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    import psutil
+
     try:
-        os.killpg(child.pid, sig)
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    try:
+        os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass

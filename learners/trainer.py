@@ -73,8 +73,23 @@ class Learner:
         self.buckets = plan_buckets(
             [(n, self.wire_dtype, tuple(t.shape)) for n, t in model.state_dict().items()],
             int(cfg.weights.bucket_mb * 2**20))
+        self.resumed_from = self._maybe_resume()
         if self.rank == 0:
             self._init_rank0()
+
+    def _maybe_resume(self):
+        from learners import checkpoint
+
+        mode = self.cfg.checkpoint.resume
+        path = None if mode == "never" else checkpoint.latest(self.cfg.checkpoint_dir)
+        if path is None:
+            if mode == "must":
+                raise FileNotFoundError(f"checkpoint.resume=must but no complete checkpoint in {self.cfg.checkpoint_dir}")
+            return None
+        meta = checkpoint.load(path, self.model, self.optimizer)
+        self.version, self.step = int(meta["version"]), int(meta["step"])
+        log.info("resumed from %s: step=%d version=%d", path, self.step, self.version)
+        return path
 
     # ---- rank 0: Redis, fleet, metrics -------------------------------------------------------------
 
@@ -84,7 +99,8 @@ class Learner:
         self.client = connect(cfg.buffer.redis_url)
         ensure_groups(self.client, self.keys)  # idempotent; the learner may start before the buffer
         self.client.delete(self.keys.stop)
-        self.version = int(self.client.get(self.keys.version) or 0)
+        # The version is the checkpoint's (or 0): Redis may hold a later one from before a crash
+        # whose update was never persisted.
         epoch0 = 0
         if (frame := self.client.get(self.keys.wgroup)) is not None:
             epoch0 = schema.decode(frame, schema.GroupEpoch).epoch
@@ -103,7 +119,25 @@ class Learner:
         from asyncrl.metrics import LearnerObservability
 
         self.obs = LearnerObservability(cfg, self.client, self.keys)  # jsonl/wandb/TensorBoard, /metrics
-        log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world)
+        from learners.evaluation import Evaluator
+
+        self.evaluator = Evaluator(cfg, self.client)  # eval rounds every eval.every steps (asyncrl/evaluation.py)
+        log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world,
+                  resumed_from=self.resumed_from or "")
+        self.unacked: list = []
+        self._recover_pending()
+
+    def _recover_pending(self) -> None:
+        """After a restart, trajectories delivered to us but never acked (their update was not in a
+        durable checkpoint) come first, in their original order."""
+        reply = self.client.xreadgroup(LEARNER_GROUP, "learner-0", {self.keys.trajectories: "0"}, count=100_000)
+        entries = reply[0][1] if reply else []
+        for entry_id, fields in entries:
+            if fields:
+                self.pending.append((entry_id, schema.decode(fields[b"data"], schema.TrajectoryGroup)))
+        if entries:
+            log.warning("re-training %d trajectory groups delivered before the restart but never acked", len(entries))
+            log_event(self.client, self.keys, "redeliver", num=len(entries))
 
     def live_members(self) -> list[str]:
         members = []
@@ -196,6 +230,17 @@ class Learner:
                 sync_s = self.sync_weights()
             if self.rank == 0:
                 self.after_step(groups, stats, sync_s)
+                self.unacked += self.batch_entries
+            every = self.cfg.checkpoint.every
+            if every == 0:
+                self._ack()  # no checkpoints: the step's update is as durable as it gets
+            elif self.step % every == 0 or self.step >= self.cfg.run.max_steps:
+                self.save_checkpoint()
+        if self.cfg.checkpoint.export_hf:
+            from learners.checkpoint import export_hf
+
+            export_hf(self.cfg.run_dir / "hf-final", self.cfg.model_path, self.full_tensors(), self.rank,
+                      self.wire_dtype)
         if self.rank == 0:
             self.client.set(self.keys.stop, f"{time.time():.3f}")
             log_event(self.client, self.keys, "learner_done", version=self.version)
@@ -254,6 +299,26 @@ class Learner:
                 "ratio_max": float(maxes[0]), "is_weight_max": float(maxes[1]), "grad_norm": float(grad_norm),
                 "tokens": float(ntok), "step_s": time.perf_counter() - t0}
 
+    def _ack(self) -> None:
+        if self.rank == 0 and self.unacked:
+            self.client.xack(self.keys.trajectories, LEARNER_GROUP, *self.unacked)
+            self.unacked = []
+
+    def save_checkpoint(self) -> None:
+        from learners import checkpoint
+
+        t0 = time.perf_counter()
+        meta = {"version": self.version, "step": self.step, "time": time.time()}
+        if self.rank == 0:
+            meta["cursor"] = {k.decode(): v.decode() for k, v in self.client.hgetall(self.keys.cursor).items()}
+        path = checkpoint.save(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, meta,
+                               self.cfg.checkpoint.keep)
+        # Only now is the update durable: ack the trajectories that shaped it.
+        self._ack()
+        if self.rank == 0:
+            self._event("checkpoint", step=self.step, version=self.version, path=str(path),
+                        seconds=f"{time.perf_counter() - t0:.3f}")
+
     def full_tensors(self):
         """(name, full tensor) in state-dict order; a collective on every rank (FSDP2 all-gather)."""
         for name, t in self.model.state_dict().items():
@@ -304,9 +369,6 @@ class Learner:
         log_event(self.client, self.keys, kind, **fields)
 
     def after_step(self, groups: list[schema.TrajectoryGroup], stats: dict, sync_s: float) -> None:
-        # Without checkpoints the step's update is as durable as it gets: ack now.
-        # (With checkpoint.every > 0, acks wait for the checkpoint that holds the update.)
-        self.client.xack(self.keys.trajectories, LEARNER_GROUP, *self.batch_entries)
         trained_version = self.version - 1
         lags = []
         for g in groups:
@@ -334,6 +396,7 @@ class Learner:
             **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
             "sample_age_s": time.time() - min(g.created_at for g in groups),
         }
+        row.update(self.evaluator.after_step(self.step, self.version))  # eval/* of a round that finished
         self.obs.on_step(row, rewards)  # adds reward quantiles, dropped fraction, fleet metrics
         self.client.hset(self.keys.learner, mapping={"step": self.step, "version": self.version,
                                                      "idle_ratio": row["idle_ratio"], "updated_at": time.time(),

@@ -47,9 +47,9 @@ def test_separate_processes_two_generators_two_learner_ranks(tmp_path, tiny_mode
 
     redis = LocalRedis(tmp_path / "redis").start()
     run_dir = tmp_path / "runs" / "split"
-    cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.name=split", "run.max_steps=4",
+    cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.name=split", "run.max_steps=6",
                              f"model.path={tiny_model}", f"buffer.redis_url={redis.url}", "learner.nproc=2",
-                             "generator.kv_cache_gb=0.5"])
+                             "generator.kv_cache_gb=0.5", "generator.max_concurrent_groups=4"])
     cfg_path = tmp_path / "split.yaml"
     cfg_path.write_text(dump_yaml(cfg))
     py = [sys.executable, "-m", "asyncrl"]
@@ -64,13 +64,21 @@ def test_separate_processes_two_generators_two_learner_ranks(tmp_path, tiny_mode
         spawn("buffer", [*py, "buffer", str(cfg_path)])
         spawn("g0", [*py, "generator", str(cfg_path), "--id", "g0"])
         spawn("g1", [*py, "generator", str(cfg_path), "--id", "g1"])
+        # Both generators up first, each leasing at most 4 groups at a time: both must contribute.
+        from asyncrl.keys import Keys, connect
+
+        client, keys = connect(redis.url), Keys("split")
+        deadline = time.time() + 600
+        while not (client.exists(keys.gen("g0")) and client.exists(keys.gen("g1"))) and time.time() < deadline:
+            assert procs["g0"].poll() is None and procs["g1"].poll() is None
+            time.sleep(0.5)
         spawn("learner", [*py, "learner", str(cfg_path)])
         assert procs["learner"].wait(timeout=900) == 0, (tmp_path / "learner.log").read_text()[-4000:]
         # The learner set the stop key: buffer and generators leave on their own, cleanly.
         for name in ("buffer", "g0", "g1"):
             assert procs[name].wait(timeout=120) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         rows = _metrics(run_dir)
-        assert [row["step"] for row in rows] == [1, 2, 3, 4]
+        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
         text = (tmp_path / "learner.log").read_text()
         assert "members=['g0.0', 'g1.0']" in text, "both generators must be in the weight group"
         gens = {g for row in rows for g in row.get("generators_in_batch", [])}
