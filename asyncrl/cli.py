@@ -96,20 +96,6 @@ def cmd_data(args) -> int:
     return 0
 
 
-def cmd_data(args) -> int:
-    _setup_logging()
-    from asyncrl.data import prepare_gsm8k
-
-    try:
-        counts = prepare_gsm8k(args.src, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"asyncrl data: {e}", file=sys.stderr)
-        return 2
-    for split, num in counts.items():
-        print(f"{args.out}/{split}.parquet: {num} rows")
-    return 0
-
-
 def cmd_tiny_model(args) -> int:
     _setup_logging()
     from asyncrl.tiny_model import write_tiny_model

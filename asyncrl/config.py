@@ -194,7 +194,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -232,11 +231,6 @@ class Config:
             (self.weights.sync_every >= 1, "weights.sync_every must be >= 1"),
             (self.weights.bucket_mb > 0, "weights.bucket_mb must be > 0"),
             (self.data.min_len <= self.data.max_len, "data.min_len must be <= data.max_len"),
-            (self.data.task == "copy" or bool(self.data.path),
-             f"data.path must name a parquet/jsonl file for data.task={self.data.task} "
-             "(e.g. run `asyncrl data gsm8k --src openai/gsm8k --out data/gsm8k`, then data.path=data/gsm8k/train.parquet)"),
-            (self.eval.every >= 0 and self.eval.num_prompts > 0 and self.eval.k >= 0,
-             "eval.every must be >= 0, eval.num_prompts > 0 and eval.k >= 0"),
             (self.buffer.capacity > 0, f"buffer.capacity must be > 0, got {self.buffer.capacity}"),
             (self.buffer.replay_ratio >= 1, f"buffer.replay_ratio must be >= 1, got {self.buffer.replay_ratio}"),
             (self.buffer.replay_ratio == 1 or self.buffer.sampling == "replay",

@@ -129,11 +129,42 @@ class GroupEpoch(msgspec.Struct, tag="group_epoch"):
     opened_at: float
 
 
-Message = TrajectoryGroup | PromptTask | WeightAnnouncement | GroupEpoch
+class EvalTask(msgspec.Struct, tag="eval_task"):
+    """One held-out prompt of an evaluation round, leased by a generator from `eval_prompts`."""
+
+    schema_version: int
+    round_id: str  # `v{version}`: one round per learner version
+    version: int  # the learner version the round evaluates; generators wait until they hold it
+    prompt_id: str
+    prompt: str
+    answer: str
+    k: int  # samples at the training temperature for mean@k (besides the one greedy sample)
+    released_at: float
+
+
+class EvalResult(msgspec.Struct, tag="eval_result"):
+    """A generator's score of one EvalTask, appended to `eval_results` for learner rank 0 to aggregate."""
+
+    schema_version: int
+    round_id: str
+    version: int
+    prompt_id: str
+    generator_id: str
+    greedy_correct: bool
+    greedy_reward: float
+    sample_correct: bytes  # int32 LE, 0/1 per sample at the training temperature (k of them)
+    sample_rewards: bytes  # float32 LE, k of them
+    min_version: int  # the lowest policy version that produced a token of this result
+    num_tokens: int
+    finished_at: float
+
+
+Message = TrajectoryGroup | PromptTask | WeightAnnouncement | GroupEpoch | EvalTask | EvalResult
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {
-    cls: msgspec.msgpack.Decoder(cls) for cls in (TrajectoryGroup, PromptTask, WeightAnnouncement, GroupEpoch)
+    cls: msgspec.msgpack.Decoder(cls) for cls in (TrajectoryGroup, PromptTask, WeightAnnouncement, GroupEpoch,
+                                                  EvalTask, EvalResult)
 }
 
 

@@ -31,6 +31,10 @@ def load_prompts(cfg: Config) -> list[PromptRecord]:
     if cfg.data.task == "copy":
         return copy_dataset(cfg.data.num_prompts, seed=cfg.run.seed, alphabet=cfg.data.alphabet,
                             min_len=cfg.data.min_len, max_len=cfg.data.max_len)
+    if cfg.data.task in ("gsm8k", "prompts"):
+        from asyncrl.data import load_dataset_from_config
+
+        return load_dataset_from_config(cfg.data)
     raise AssertionError(cfg.data.task)
 
 

@@ -20,7 +20,9 @@ import zmq.asyncio
 from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.keys import PROMPT_GROUP, Keys
-from asyncrl.rewards import get_reward
+from asyncrl.data import encode_prompt
+from asyncrl.rewards import build_reward
+from generators.evaluation import EvalWorker
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ class Generator:
         self.id = generator_id
         self.keys = Keys(cfg.run.name)
         self.engine = engine
-        self.reward_fn = get_reward(cfg.reward.name)
+        self.reward_fn = build_reward(cfg.reward)
+        self.evals = EvalWorker(self)  # eval rounds (asyncrl/evaluation.py), leased before training prompts
         self.version = -1  # the policy version these weights are; -1 = none yet
         self.epoch = -1
         self.state = "starting"
@@ -167,7 +170,7 @@ class Generator:
     # ---- generation ----------------------------------------------------------------------------
 
     async def process(self, entry_id: bytes, task: schema.PromptTask) -> None:
-        prompt_ids = self.tokenizer(task.prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = encode_prompt(self.tokenizer, task.prompt, self.cfg.data.chat_template)
         outs = await self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
         samples, errors = [], 0
         for out in outs:
@@ -215,6 +218,9 @@ class Generator:
             free = cap - len(self.inflight)
             if free <= 0:
                 await asyncio.sleep(0.01)
+                continue
+            free -= await self.evals.lease(free)  # eval tasks have priority over training prompts
+            if free <= 0:
                 continue
             t0 = time.monotonic()
             reply = await self.redis.xreadgroup(PROMPT_GROUP, self.id, {self.keys.prompts: ">"}, count=free, block=200)

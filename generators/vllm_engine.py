@@ -64,21 +64,24 @@ class VllmEngine:
         log.info("vLLM engine up in %.1fs (model=%s, cpu=%s)", time.perf_counter() - t0, model_path, on_cpu)
         self.cfg = cfg
 
-    def sampling_params(self, n: int):
+    def sampling_params(self, n: int, temperature: float | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         g = self.cfg.generator
-        return SamplingParams(n=n, temperature=g.temperature, top_p=g.top_p, top_k=max(g.top_k, 0),
+        temperature = g.temperature if temperature is None else temperature  # 0.0: greedy (evaluation)
+        return SamplingParams(n=n, temperature=temperature, top_p=g.top_p, top_k=max(g.top_k, 0),
                               max_tokens=g.max_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA)
 
-    async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int]) -> list[SampleOut]:
+    async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
+                             temperature: float | None = None) -> list[SampleOut]:
         """Samples `n` completions; each token is stamped with the policy version held when it arrived."""
         from vllm.inputs import TokensPrompt
 
         samples = [SampleOut() for _ in range(n)]
         request_id = uuid.uuid4().hex
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), self.sampling_params(n),
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+                                              self.sampling_params(n, temperature),
                                               request_id=request_id):
             v = version()
             for c in out.outputs:

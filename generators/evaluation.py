@@ -1,0 +1,114 @@
+"""The generator's side of periodic evaluation: lease eval prompts first, score, report.
+
+Eval tasks share the generator's concurrency cap (`generator.max_concurrent_groups`) and its engine
+with training groups, so an eval round slows training a little but never stops it; it produces no
+trajectory. See asyncrl/evaluation.py for the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from asyncrl import schema
+from asyncrl.data import encode_prompt
+from asyncrl.evaluation import EVAL_GROUP, eval_prompts_key, eval_results_key
+from asyncrl.rewards import is_correct
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often the lease loop looks at the eval stream (it is read without blocking)
+RESULTS_MAXLEN = 100_000
+
+
+class EvalWorker:
+    def __init__(self, gen):
+        self.gen = gen
+        self.prompts_key = eval_prompts_key(gen.cfg.run.name)
+        self.results_key = eval_results_key(gen.cfg.run.name)
+        self._group_ready = False
+        self._last_poll = 0.0
+        self._last_claim = time.monotonic()
+        self.num_done = 0
+
+    async def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            await self.gen.redis.xgroup_create(self.prompts_key, EVAL_GROUP, id="0", mkstream=True)
+        except aioredis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._group_ready = True
+
+    async def lease(self, free: int) -> int:
+        """Leases up to `free` eval tasks and starts them in the generator's in-flight set; returns how many."""
+        now = time.monotonic()
+        if free <= 0 or now - self._last_poll < POLL_S:
+            return 0
+        self._last_poll = now
+        await self._ensure_group()
+        entries = []
+        # A generator that died holding eval tasks: take them over after the lease timeout.
+        lease_s = self.gen.cfg.buffer.lease_timeout_s
+        if now - self._last_claim > min(5.0, lease_s / 2):
+            self._last_claim = now
+            reply = await self.gen.redis.xautoclaim(self.prompts_key, EVAL_GROUP, self.gen.id,
+                                                    int(lease_s * 1000), start_id="0-0", count=free)
+            entries += [(e, f) for e, f in reply[1] if f]
+        if len(entries) < free:
+            reply = await self.gen.redis.xreadgroup(EVAL_GROUP, self.gen.id, {self.prompts_key: ">"},
+                                                    count=free - len(entries))
+            if reply:
+                entries += reply[0][1]
+        started = 0
+        for entry_id, fields in entries:
+            try:
+                task = schema.decode(fields[b"data"], schema.EvalTask)
+            except (schema.FrameError, KeyError) as e:
+                log.error("bad eval entry %s: %s", entry_id, e)
+                await self.gen.redis.xack(self.prompts_key, EVAL_GROUP, entry_id)
+                continue
+            t = asyncio.create_task(self.process(entry_id, task))
+            self.gen.inflight.add(t)
+            t.add_done_callback(self.gen._done)
+            started += 1
+        return started
+
+    async def process(self, entry_id: bytes, task: schema.EvalTask) -> None:
+        gen = self.gen
+        # Evaluate the version the round names: wait for its weights (a newer version is fine too).
+        while gen.version < task.version and not gen.stopping.is_set():
+            await asyncio.sleep(0.05)
+        prompt_ids = encode_prompt(gen.tokenizer, task.prompt, gen.cfg.data.chat_template)
+        jobs = [gen.engine.generate_group(prompt_ids, 1, lambda: gen.version, temperature=0.0)]
+        if task.k > 0:
+            jobs.append(gen.engine.generate_group(prompt_ids, task.k, lambda: gen.version))
+        outs = await asyncio.gather(*jobs)
+        greedy = outs[0][0]
+        samples = outs[1] if task.k > 0 else []
+        greedy_reward, greedy_correct = self.score(greedy.token_ids, task)
+        scored = [self.score(s.token_ids, task) for s in samples]
+        versions = [v for s in [greedy, *samples] for v in s.versions] or [gen.version]
+        result = schema.EvalResult(
+            schema_version=schema.SCHEMA_VERSION, round_id=task.round_id, version=task.version,
+            prompt_id=task.prompt_id, generator_id=gen.id, greedy_correct=greedy_correct,
+            greedy_reward=greedy_reward, sample_correct=schema.pack_i32([int(c) for _, c in scored]),
+            sample_rewards=schema.pack_f32([r for r, _ in scored]), min_version=int(min(versions)),
+            num_tokens=sum(len(s.token_ids) for s in [greedy, *samples]), finished_at=time.time())
+        async with gen.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.results_key, {"data": schema.encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
+            pipe.xack(self.prompts_key, EVAL_GROUP, entry_id)
+            await pipe.execute()
+        self.num_done += 1
+
+    def score(self, token_ids: list[int], task: schema.EvalTask) -> tuple[float, bool]:
+        text = self.gen.tokenizer.decode(token_ids, skip_special_tokens=True)
+        try:
+            return float(self.gen.reward_fn(text, task.answer)), is_correct(self.gen.reward_fn, text, task.answer)
+        except Exception as e:  # a user reward function must never take the generator down
+            log.warning("reward error on eval prompt=%s: %r", task.prompt_id, e)
+            return 0.0, False

@@ -1,0 +1,122 @@
+"""Learner rank 0's side of periodic evaluation: publish rounds, aggregate results, log them.
+
+Called once per step from `Learner.after_step`; returns the `eval/*` metrics of the round that
+finished since the last step (empty otherwise), which go into that step's metrics row. Every
+finished round is also appended to `{run_dir}/eval.jsonl`. At the last step it waits (up to
+`eval.timeout_s`) for the rounds still out, so the final model is always evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import redis
+
+from asyncrl import schema
+from asyncrl.evaluation import (
+    EVAL_GROUP,
+    Round,
+    eval_prompts_key,
+    eval_results_key,
+    load_eval_set,
+    make_tasks,
+    round_id,
+    summarize,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator:
+    def __init__(self, cfg, client: redis.Redis):
+        self.cfg = cfg
+        self.enabled = cfg.eval.every > 0
+        if not self.enabled:
+            return
+        self.client = client
+        self.prompts_key = eval_prompts_key(cfg.run.name)
+        self.results_key = eval_results_key(cfg.run.name)
+        self.rows = load_eval_set(cfg)  # a missing held-out file fails here, at start
+        self.rounds: dict[str, Round] = {}
+        self.published: set[int] = set()
+        self.last_id = b"0-0"
+        self.path = cfg.run_dir / "eval.jsonl"
+        try:
+            client.xgroup_create(self.prompts_key, EVAL_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        log.info("evaluation every %d steps on %d held-out prompts (k=%d)", cfg.eval.every, len(self.rows),
+                 cfg.eval.k)
+
+    def publish(self, version: int) -> None:
+        if version in self.published:
+            return
+        self.published.add(version)
+        now = time.time()
+        pipe = self.client.pipeline(transaction=True)
+        for task in make_tasks(self.rows, version, self.cfg.eval.k, now):
+            pipe.xadd(self.prompts_key, {"data": schema.encode(task)}, maxlen=100_000, approximate=True)
+        pipe.execute()
+        self.rounds[round_id(version)] = Round(version=version, num_prompts=len(self.rows), published_at=now)
+        log.info("eval round %s published (%d prompts)", round_id(version), len(self.rows))
+
+    def collect(self, block_ms: int | None = None) -> None:
+        reply = self.client.xread({self.results_key: self.last_id}, count=1000, block=block_ms)
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self.last_id = entry_id
+                try:
+                    result = schema.decode(fields[b"data"], schema.EvalResult)
+                except (schema.FrameError, KeyError) as e:
+                    log.error("bad eval result %s dropped: %s", entry_id, e)
+                    continue
+                if (rnd := self.rounds.get(result.round_id)) is not None:
+                    rnd.add(result)
+
+    def finish(self, step: int) -> list[dict]:
+        """Pops finished (or timed-out) rounds; returns their metrics rows, oldest first."""
+        rows = []
+        now = time.time()
+        for rid, rnd in sorted(self.rounds.items(), key=lambda kv: kv[1].version):
+            timed_out = now - rnd.published_at > self.cfg.eval.timeout_s
+            if not (rnd.complete or timed_out):
+                continue
+            del self.rounds[rid]
+            if timed_out and not rnd.complete:
+                log.warning("eval round %s timed out with %d/%d results; dropped", rid, len(rnd.results),
+                            rnd.num_prompts)
+                self._append({"step": step, "eval/version": rnd.version, "eval/incomplete": True,
+                               "eval/num_results": len(rnd.results)})
+                continue
+            row = {"step": step, "eval/version": rnd.version, **summarize(list(rnd.results.values()), self.cfg.eval.k),
+                   "eval/seconds": max(r.finished_at for r in rnd.results.values()) - rnd.published_at}
+            self._append(row)
+            rows.append(row)
+            print(f"eval version={rnd.version} pass@1={row['eval/pass@1']:.3f} "
+                  f"mean@{self.cfg.eval.k}={row.get('eval/mean@k', float('nan')):.3f} "
+                  f"prompts={row['eval/num_prompts']} seconds={row['eval/seconds']:.1f}", flush=True)
+        return rows
+
+    def _append(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def after_step(self, step: int, version: int) -> dict:
+        if not self.enabled:
+            return {}
+        last = step >= self.cfg.run.max_steps
+        if step % self.cfg.eval.every == 0 or last:
+            # The newest version the generators hold: weights go out every weights.sync_every versions.
+            self.publish(version - version % self.cfg.weights.sync_every)
+        self.collect()
+        rows = self.finish(step)
+        # The final model is evaluated before the run ends: wait for what is still out.
+        while last and self.rounds:
+            self.collect(block_ms=500)
+            rows += self.finish(step)
+        if not rows:
+            return {}
+        return {k: v for k, v in rows[-1].items() if k != "step"}
