@@ -62,6 +62,11 @@ class Keys:
         return self._k("ingest_addr")
 
     @property
+    def buffer_instance(self) -> str:
+        """A fresh id per buffer process start: generators re-send unconfirmed groups when it changes."""
+        return self._k("buffer_instance")
+
+    @property
     def learner(self) -> str:
         return self._k("learner")
 
@@ -80,20 +85,47 @@ class Keys:
         return self._k("lag_history")
 
 
-def connect(url: str):
-    """A redis-py client with bytes replies; fails fast with the URL if Redis is not there."""
-    import redis
-
+def _check_url(url: str) -> None:
     if not url:
         raise ValueError("buffer.redis_url is empty: start Redis and pass buffer.redis_url=redis://HOST:PORT/0 "
                          "(or use `asyncrl run`, which starts one)")
-    client = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10,
-                                  health_check_interval=10, retry_on_timeout=True)
+
+
+def connect(url: str, retry_s: float = 600.0):
+    """A redis-py client with bytes replies; fails fast with the URL if Redis is not there at start.
+
+    Once connected, a lost Redis (restart, failover) is retried with backoff for up to `retry_s`
+    (asyncrl/retry.py), so every role rides out a redis-server restart.
+    """
+    import redis
+
+    from asyncrl.retry import RETRYABLE, LoudRetry
+
+    _check_url(url)
     try:
-        client.ping()
-    except redis.exceptions.ConnectionError as e:
+        redis.Redis.from_url(url, socket_connect_timeout=10, retry=None).ping()
+    except RETRYABLE as e:
         raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
-    return client
+    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=10,
+                                retry=LoudRetry(retry_s), retry_on_error=list(RETRYABLE))
+
+
+async def aconnect(url: str, retry_s: float = 600.0):
+    """The asyncio twin of `connect` (used by generators)."""
+    import redis.asyncio as aioredis
+
+    from asyncrl.retry import RETRYABLE, AsyncLoudRetry
+
+    _check_url(url)
+    probe = aioredis.Redis.from_url(url, socket_connect_timeout=10, retry=None)
+    try:
+        await probe.ping()
+    except RETRYABLE as e:
+        raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
+    finally:
+        await probe.aclose()
+    return aioredis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=10,
+                                   retry=AsyncLoudRetry(retry_s), retry_on_error=list(RETRYABLE))
 
 
 def log_event(client, keys: Keys, kind: str, **fields) -> None:

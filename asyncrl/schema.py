@@ -172,8 +172,12 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes, cls: type, max_bytes: int = sys.maxsize):
-    """Decodes and validates one frame of type `cls`; raises FrameError with a reason label."""
+MAX_ID_CHARS = 512  # group / prompt / generator ids, finish reasons: Redis keys are built from ids
+MAX_SAMPLES = 4096  # samples in one group
+
+
+def decode(data: bytes, cls: type, max_bytes: int = sys.maxsize, max_tokens: int | None = None):
+    """Decodes and validates one frame of type `cls`; raises FrameError with a reason label (only that)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise FrameError("not_bytes", f"frame is {type(data).__name__}")
     if len(data) > max_bytes:
@@ -182,24 +186,45 @@ def decode(data: bytes, cls: type, max_bytes: int = sys.maxsize):
         message = _decoders[cls].decode(data)
     except msgspec.ValidationError as e:
         raise FrameError("schema", str(e)) from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         raise FrameError("decode", str(e)) from None
     if message.schema_version != SCHEMA_VERSION:
         raise FrameError("schema_version", f"got {message.schema_version}, expected {SCHEMA_VERSION}")
     if isinstance(message, TrajectoryGroup):
-        validate_group(message)
+        validate_group(message, max_tokens=max_tokens)
     return message
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
 
 
 def validate_group(group: TrajectoryGroup, max_tokens: int | None = None) -> None:
     """Semantic checks msgpack types cannot express; raises FrameError."""
     if not group.group_id or not group.prompt_id:
         raise FrameError("empty_id", "group_id and prompt_id must be non-empty")
+    for name in ("group_id", "prompt_id", "generator_id"):
+        if len(getattr(group, name)) > MAX_ID_CHARS:
+            raise FrameError("bad_id", f"{name} longer than {MAX_ID_CHARS} characters")
     if not group.samples:
         raise FrameError("no_samples", f"group {group.group_id} has no samples")
+    if len(group.samples) > MAX_SAMPLES:
+        raise FrameError("too_many_samples", f"{len(group.samples)} samples > {MAX_SAMPLES}")
+    sp = group.sampling
+    if not (_finite(sp.temperature) and sp.temperature > 0 and _finite(sp.top_p) and 0 < sp.top_p <= 1
+            and (sp.top_k == -1 or sp.top_k > 0)):
+        raise FrameError("bad_sampling", f"temperature={sp.temperature} top_p={sp.top_p} top_k={sp.top_k}")
+    if not (_finite(group.created_at) and group.created_at > 0):
+        raise FrameError("bad_timestamp", f"created_at={group.created_at}")
+    if not 0 <= group.reward_errors <= len(group.samples):
+        raise FrameError("bad_count", f"reward_errors={group.reward_errors} for {len(group.samples)} samples")
     if len(group.prompt_ids) == 0 or len(group.prompt_ids) % 4:
         raise FrameError("bad_array", "prompt_ids must be a non-empty packed int32 array")
+    if np.any(unpack_i32(group.prompt_ids) < 0):
+        raise FrameError("bad_array", "prompt_ids has negative token ids")
     for i, s in enumerate(group.samples):
+        if len(s.finish_reason) > MAX_ID_CHARS:
+            raise FrameError("bad_id", f"sample {i} finish_reason longer than {MAX_ID_CHARS} characters")
         for name in ("completion_ids", "logprobs", "versions"):
             if len(getattr(s, name)) % 4:
                 raise FrameError("bad_array", f"sample {i} {name} length {len(getattr(s, name))} is not a multiple of 4")

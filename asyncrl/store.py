@@ -18,6 +18,51 @@ return 0
 
 SEEN_TTL_S = 7 * 24 * 3600
 
+# Every write below may run twice: a retried command (asyncrl/retry.py) can already have executed
+# before its connection broke. So each is idempotent, and each is one script, so a crash (or a
+# redis-server restart, which replays a prefix of its AOF) sees all of it or none of it.
+
+# Prompt release as compare-and-set on the cursor: a retry, or a second buffer instance racing
+# this one, finds `released` moved and adds nothing.
+RELEASE_PROMPTS = """
+if tonumber(redis.call('HGET', KEYS[1], 'released') or '0') ~= tonumber(ARGV[1]) then
+  return 0
+end
+for i = 5, #ARGV do
+  redis.call('XADD', KEYS[2], '*', 'data', ARGV[i])
+end
+redis.call('HSET', KEYS[1], 'epoch', ARGV[2], 'index', ARGV[3], 'released', ARGV[4])
+return 1
+"""
+
+# Re-queue of expired leases: only an entry this call acks is copied to the stream's tail, so a
+# retry (or a generator's late XACK) cannot requeue it twice.
+RECLAIM_REQUEUE = """
+local n = 0
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    local e = redis.call('XRANGE', KEYS[1], id, id)
+    if #e > 0 then
+      redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+      n = n + 1
+    end
+    redis.call('XDEL', KEYS[1], id)
+  end
+end
+return n
+"""
+
+# Acks groups dropped as stale and gives them back to the admission budget, counted by what XACK
+# actually acked (so a retry does not count twice).
+ACK_DROPPED = """
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'dropped_groups', n)
+end
+return n
+"""
+
 
 def ensure_groups(client: redis.Redis, keys: Keys) -> None:
     for stream, group in ((keys.prompts, PROMPT_GROUP), (keys.trajectories, LEARNER_GROUP)):
@@ -41,3 +86,55 @@ def group_lag(client: redis.Redis, stream: str, group: str) -> int:
 
 def group_pending(client: redis.Redis, stream: str, group: str) -> int:
     return int(client.xpending(stream, group)["pending"])
+
+
+def dedupe_append(pipe, keys: Keys, group_id: str, frame: bytes) -> None:
+    """Queues the atomic dedupe + XADD of one frame on `pipe` (reply: 1 added, 0 duplicate).
+
+    Plain EVAL, not EVALSHA: a restarted redis-server has an empty script cache, and a retried
+    pipeline would hit NOSCRIPT; the script text is ~150 bytes next to frames of kilobytes.
+    """
+    pipe.eval(DEDUPE_APPEND, 2, keys.seen(group_id), keys.trajectories, frame, SEEN_TTL_S)
+
+
+def release_prompts(client: redis.Redis, keys: Keys, expected_released: int, epoch: int, index: int,
+                    frames: list[bytes]) -> bool:
+    """Appends `frames` to the prompts stream and moves the cursor, iff nobody moved it meanwhile."""
+    args = [expected_released, epoch, index, expected_released + len(frames), *frames]
+    return bool(client.eval(RELEASE_PROMPTS, 2, keys.cursor, keys.prompts, *args))
+
+
+def requeue_prompts(client: redis.Redis, keys: Keys, entry_ids: list) -> int:
+    if not entry_ids:
+        return 0
+    return int(client.eval(RECLAIM_REQUEUE, 1, keys.prompts, PROMPT_GROUP, *entry_ids))
+
+
+def ack_dropped(client: redis.Redis, keys: Keys, entry_ids: list) -> int:
+    if not entry_ids:
+        return 0
+    return int(client.eval(ACK_DROPPED, 2, keys.trajectories, keys.learner, LEARNER_GROUP, *entry_ids))
+
+
+def stream_id_ms(entry_id) -> int:
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(raw.split("-", 1)[0])
+
+
+def oldest_unacked_ms(client: redis.Redis, stream: str, group: str) -> int | None:
+    """Server time (ms) of the oldest entry the group has not acked (pending or undelivered), or None."""
+    oldest = None
+    summary = client.xpending(stream, group)
+    if summary["pending"]:
+        oldest = stream_id_ms(summary["min"])
+    else:
+        for info in client.xinfo_groups(stream):
+            if info["name"] in (group, group.encode()):
+                first = client.xrange(stream, min=f"({_as_str(info['last-delivered-id'])}", count=1)
+                if first:
+                    oldest = stream_id_ms(first[0][0])
+    return oldest
+
+
+def _as_str(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

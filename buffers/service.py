@@ -12,19 +12,24 @@ import logging
 import signal
 import threading
 import time
+import uuid
 
 import redis
 import zmq
 
-from asyncrl import schema
+from asyncrl import schema, store
 from asyncrl.config import Config
 from asyncrl.keys import PROMPT_GROUP, Keys, connect, log_event
+from asyncrl.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
 from asyncrl.tasks import PromptRecord, copy_dataset, iter_epochs
-from asyncrl.store import DEDUPE_APPEND, LEARNER_GROUP, SEEN_TTL_S, ensure_groups, group_lag
 
 log = logging.getLogger(__name__)
 
 RECLAIMER = "buffer-reclaim"
+RCVHWM = 256  # frames queued in our PULL socket before ZeroMQ stops taking more from generators
+MAX_BATCH_BYTES = 32 * 2**20  # one Redis pipeline carries at most this much
+# Counters published as buffer:{name} (plus buffer:reject:{reason}); they survive buffer restarts.
+COUNTERS = ("frames", "bytes", "groups", "dedupes", "reclaims", "full_pauses", "full_ms")
 
 
 def load_prompts(cfg: Config) -> list[PromptRecord]:
@@ -52,15 +57,18 @@ class BufferService:
     def __init__(self, cfg: Config, client: redis.Redis | None = None):
         self.cfg = cfg
         self.keys = Keys(cfg.run.name)
-        self.client = client or connect(cfg.buffer.redis_url)
+        self.client = client or connect(cfg.buffer.redis_url, retry_s=cfg.buffer.redis_retry_s)
         self.rows = load_prompts(cfg)
         self.counters: dict[str, int] = {}
+        self.instance = uuid.uuid4().hex
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.PULL)
         # The receive high-water mark is what pushes back on generators when we stop pulling.
-        self.sock.setsockopt(zmq.RCVHWM, 256)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.buffer.max_frame_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        # Transport cap well above max_frame_bytes: ZeroMQ silently disconnects a peer past it, so
+        # frames a little over the limit must still arrive here to be counted as `too_large`.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.buffer.max_frame_bytes + 2**20)
         self.sock.setsockopt(zmq.LINGER, 0)
         host = cfg.buffer.bind_host
         if cfg.buffer.ingest_port:
@@ -69,8 +77,10 @@ class BufferService:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.ingest_addr = f"tcp://{host}:{port}"
-        self._dedupe = self.client.register_script(DEDUPE_APPEND)
         self._last_rates = (time.monotonic(), 0, 0)
+        self._depth, self._depth_at = 0, 0.0  # undelivered groups, when last measured
+        self.full = False
+        self._full_since = 0.0
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -79,12 +89,18 @@ class BufferService:
         self.client.hsetnx(self.keys.cursor, "epoch", 0)
         self.client.hsetnx(self.keys.cursor, "index", 0)
         self.client.hsetnx(self.keys.cursor, "released", 0)
+        # Counters continue across buffer restarts (the process is stateless; its totals are not).
+        for k, v in self.client.hgetall(self.keys.metrics).items():
+            name = k.decode()
+            if name.startswith("buffer:") and (name[7:] in COUNTERS or name.startswith("buffer:reject:")):
+                self.counters[name[7:]] = int(float(v))
+        # The instance id first, then the address: a generator that sees either change re-sends
+        # every group it has not seen ingested (generators/outbox.py).
+        self.client.set(self.keys.buffer_instance, self.instance)
         self.client.set(self.keys.ingest_addr, self.ingest_addr)
-        log_event(self.client, self.keys, "buffer_start", addr=self.ingest_addr)
-        log.info("buffer up: ingest=%s prompts=%d", self.ingest_addr, len(self.rows))
-        from asyncrl.exporter import start_exporter
-
-        self.exporter = start_exporter(self.cfg, "buffer", client=self.client, keys=self.keys)
+        log_event(self.client, self.keys, "buffer_start", addr=self.ingest_addr, instance=self.instance)
+        log.info("buffer up: ingest=%s instance=%s prompts=%d capacity=%d", self.ingest_addr, self.instance,
+                 len(self.rows), self.cfg.buffer.capacity)
 
     def count(self, name: str, k: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + k
@@ -92,30 +108,37 @@ class BufferService:
     # ---- ingest --------------------------------------------------------------------------------
 
     def ingest(self, max_frames: int = 256, timeout_ms: int = 50) -> int:
-        """Pulls what is waiting (up to `max_frames`), validates, dedupes and appends; returns groups added."""
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+        """Pulls what is waiting (up to `max_frames`), validates, dedupes and appends; returns groups added.
+
+        Frames are taken off the socket only as far as they fit under capacity; once taken they are
+        held here until Redis has them (the client retries a lost Redis), so none is dropped.
+        """
+        if max_frames <= 0 or not self.sock.poll(timeout_ms, zmq.POLLIN):
             return 0
         frames = []
-        while len(frames) < max_frames:
+        nbytes = 0
+        while len(frames) < max_frames and nbytes < MAX_BATCH_BYTES:
             try:
-                frames.append(self.sock.recv(zmq.NOBLOCK, copy=True))
+                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            frames.append(frame)
+            nbytes += len(frame)
         pipe = self.client.pipeline(transaction=False)
         valid = []
+        max_bytes, max_tokens = self.cfg.buffer.max_frame_bytes, self.cfg.generator.max_tokens
         for frame in frames:
-            self.count("frames")
-            self.count("bytes", len(frame))
+            buf = frame.buffer
             try:
-                group = schema.decode(frame, schema.TrajectoryGroup, self.cfg.buffer.max_frame_bytes)
-                schema.validate_group(group, max_tokens=self.cfg.generator.max_tokens)
+                group = schema.decode(buf, schema.TrajectoryGroup, max_bytes, max_tokens=max_tokens)
             except schema.FrameError as e:
                 self.count(f"reject:{e.reason}")
-                log.warning("rejected frame (%d bytes): %s", len(frame), e)
+                log.warning("rejected frame (%d bytes): %s", len(buf), e)
                 continue
             valid.append(group.group_id)
-            self._dedupe(keys=[self.keys.seen(group.group_id), self.keys.trajectories],
-                         args=[frame, SEEN_TTL_S], client=pipe)
+            dedupe_append(pipe, self.keys, group.group_id, buf)
+        self.count("frames", len(frames))
+        self.count("bytes", nbytes)
         added = 0
         if valid:
             for gid, ok in zip(valid, pipe.execute(), strict=True):
@@ -125,7 +148,32 @@ class BufferService:
                     self.count("dedupes")
                     log.info("duplicate group %s dropped", gid)
         self.count("groups", added)
+        self._depth += added
         return added
+
+    def room(self) -> int:
+        """Groups that may still be appended before the trajectory stream holds `capacity` undelivered."""
+        now = time.monotonic()
+        # Re-measure often when close to full (the learner may have read meanwhile), rarely otherwise.
+        stale_after = 0.05 if self._depth >= self.cfg.buffer.capacity - RCVHWM else 0.5
+        if now - self._depth_at > stale_after:
+            self._depth, self._depth_at = self.depth(), now
+        return self.cfg.buffer.capacity - self._depth
+
+    def _update_full(self, room: int) -> None:
+        # Backpressure: at capacity we stop pulling; ZMQ high-water marks then hold the generators'
+        # sends (and their outboxes stop leasing), so nothing is dropped anywhere.
+        full = room <= 0
+        if full and not self.full:
+            log.warning("trajectory buffer full (%d undelivered >= buffer.capacity %d): ingest paused",
+                        self._depth, self.cfg.buffer.capacity)
+            self.count("full_pauses")
+            self._full_since = time.monotonic()
+        elif self.full and not full:
+            paused = time.monotonic() - self._full_since
+            self.count("full_ms", int(paused * 1000))
+            log.info("trajectory buffer has room again after %.1fs: ingest resumed", paused)
+        self.full = full
 
     # ---- prompt feed ---------------------------------------------------------------------------
 
@@ -140,44 +188,37 @@ class BufferService:
         if num <= 0:
             return 0
         it = iter_epochs(self.rows, self.cfg.run.seed, cursor["epoch"], cursor["index"])
-        pipe = self.client.pipeline(transaction=True)
         now = time.time()
         epoch, index = cursor["epoch"], cursor["index"]
+        frames = []
         for _ in range(num):
             epoch, index, row = next(it)
             task = schema.PromptTask(schema_version=schema.SCHEMA_VERSION, group_id=f"{row.prompt_id}@e{epoch}",
                                      prompt_id=row.prompt_id, prompt=row.prompt, answer=row.answer,
                                      released_at=now)
-            pipe.xadd(self.keys.prompts, {"data": schema.encode(task)})
+            frames.append(schema.encode(task))
         index += 1
         if index >= len(self.rows):
             epoch, index = epoch + 1, 0
-        # The cursor moves in the same transaction as the XADDs: a crash releases all of them or none.
-        pipe.hset(self.keys.cursor, mapping={"epoch": epoch, "index": index, "released": cursor["released"] + num})
-        pipe.execute()
+        # The cursor moves in the same script as the XADDs, and only if nobody moved it meanwhile:
+        # a crash releases all of them or none, a retried call or a second buffer none twice.
+        if not store.release_prompts(self.client, self.keys, cursor["released"], epoch, index, frames):
+            log.warning("prompt cursor moved under us (another buffer instance?): release skipped")
+            return 0
         return num
 
     def reclaim(self) -> int:
         """Re-releases prompts whose lease expired (their generator died); same group_id, so dedupe holds."""
         min_idle_ms = int(self.cfg.buffer.lease_timeout_s * 1000)
-        reply = self.client.xautoclaim(self.keys.prompts, PROMPT_GROUP, RECLAIMER, min_idle_ms,
-                                       start_id="0-0", count=100)
-        claimed = reply[1]
+        claimed = self.client.xautoclaim(self.keys.prompts, PROMPT_GROUP, RECLAIMER, min_idle_ms,
+                                         start_id="0-0", count=100, justid=True)
         if not claimed:
             return 0
-        pipe = self.client.pipeline(transaction=True)
-        for entry_id, fields in claimed:
-            if fields is None:  # deleted meanwhile
-                pipe.xack(self.keys.prompts, PROMPT_GROUP, entry_id)
-                continue
-            pipe.xadd(self.keys.prompts, fields)
-            pipe.xack(self.keys.prompts, PROMPT_GROUP, entry_id)
-            pipe.xdel(self.keys.prompts, entry_id)
-        pipe.execute()
-        self.count("reclaims", len(claimed))
-        log_event(self.client, self.keys, "reclaim", num=len(claimed))
-        log.warning("reclaimed %d prompts whose lease expired", len(claimed))
-        return len(claimed)
+        num = store.requeue_prompts(self.client, self.keys, claimed)
+        self.count("reclaims", num)
+        log_event(self.client, self.keys, "reclaim", num=num)
+        log.warning("reclaimed %d prompts whose lease expired", num)
+        return num
 
     # ---- metrics -------------------------------------------------------------------------------
 
@@ -190,13 +231,15 @@ class BufferService:
         dt = max(now - t0, 1e-6)
         groups, nbytes = self.counters.get("groups", 0), self.counters.get("bytes", 0)
         self._last_rates = (now, groups, nbytes)
-        fields = {**self.counters, "depth": self.depth(), "groups_per_s": (groups - groups0) / dt,
-                  "bytes_per_s": (nbytes - bytes0) / dt, "updated_at": time.time()}
+        depth = self.depth()
+        oldest_ms = oldest_unacked_ms(self.client, self.keys.trajectories, LEARNER_GROUP)
+        server_s, server_us = self.client.time()
+        oldest_age = 0.0 if oldest_ms is None else max(server_s + server_us / 1e6 - oldest_ms / 1000, 0.0)
+        fields = {**self.counters, "depth": depth, "capacity": self.cfg.buffer.capacity, "full": int(self.full),
+                  "groups_per_s": (groups - groups0) / dt, "bytes_per_s": (nbytes - bytes0) / dt,
+                  "oldest_age_s": oldest_age, "stream_len": self.client.xlen(self.keys.trajectories),
+                  "instance": self.instance, "updated_at": time.time()}
         self.client.hset(self.keys.metrics, mapping={f"buffer:{k}": v for k, v in fields.items()})
-        if (exporter := getattr(self, "exporter", None)) is not None:  # started in setup()
-            from asyncrl.metrics import oldest_undelivered_age_s
-
-            exporter.update({**fields, "oldest_age_s": oldest_undelivered_age_s(self.client, self.keys)})
 
     # ---- main loop -----------------------------------------------------------------------------
 
@@ -206,26 +249,19 @@ class BufferService:
     def run(self) -> None:
         self.setup()
         last_release = last_reclaim = last_metrics = 0.0
-        full = False
         while not self._stop.is_set():
             now = time.monotonic()
+            room = self.room()
+            self._update_full(room)
             if now - last_metrics > 1.0:
-                depth = self.depth()
-                # Backpressure: past capacity we stop pulling; ZMQ high-water marks then hold the
-                # generators' sends, so nothing is dropped anywhere.
-                if depth >= self.cfg.buffer.capacity and not full:
-                    log.warning("trajectory buffer full (%d >= capacity %d): ingest paused", depth,
-                                self.cfg.buffer.capacity)
-                    self.count("full_pauses")
-                full = depth >= self.cfg.buffer.capacity
                 self.publish_metrics()
                 last_metrics = now
                 if self.client.exists(self.keys.stop):
                     break
-            if not full:
-                self.ingest()
+            if room > 0:
+                self.ingest(max_frames=min(256, room))
             else:
-                time.sleep(0.05)
+                time.sleep(0.02)
             if now - last_release > 0.05:
                 self.release_prompts()
                 last_release = now

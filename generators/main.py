@@ -13,16 +13,15 @@ import signal
 import socket
 import time
 
-import redis.asyncio as aioredis
-import zmq
 import zmq.asyncio
 
 from asyncrl import schema
 from asyncrl.config import Config
-from asyncrl.keys import PROMPT_GROUP, Keys
 from asyncrl.data import encode_prompt
+from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
 from asyncrl.rewards import build_reward
 from generators.evaluation import EvalWorker
+from generators.outbox import GroupOutbox
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +55,8 @@ class Generator:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        self.redis = aioredis.Redis.from_url(self.cfg.buffer.redis_url, socket_timeout=30)
-        await self.redis.ping()
+        # Retries a lost Redis (restart) with backoff for buffer.redis_retry_s: every loop below rides it out.
+        self.redis = await aconnect(self.cfg.buffer.redis_url, retry_s=self.cfg.buffer.redis_retry_s)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
         if self.engine is None:
             from generators.vllm_engine import VllmEngine
@@ -69,12 +68,9 @@ class Generator:
         if learner_version == 0 and wsync is None:
             self.version = 0
         self.ctx = zmq.asyncio.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        # Send high-water mark: when the buffer stops pulling, sends block here (backpressure).
-        self.push.setsockopt(zmq.SNDHWM, 64)
-        self.push.setsockopt(zmq.LINGER, 30_000)
-        addr = await self._wait_for(self.keys.ingest_addr, "the buffer's ingest address")
-        self.push.connect(addr.decode())
+        # Pushed groups stay in the outbox until the buffer has ingested them (generators/outbox.py).
+        self.outbox = GroupOutbox(self.redis, self.keys, self.id, self.cfg.buffer.lease_timeout_s, ctx=self.ctx)
+        addr = await self.outbox.connect()
         from asyncrl.exporter import exporter_field, start_exporter
 
         self.exporter = start_exporter(self.cfg, "generator", self.id)  # /metrics; URL published below
@@ -82,7 +78,7 @@ class Generator:
             await self.redis.hset(self.keys.exporters, exporter_field("generator", self.id), self.exporter.url)
         await self.heartbeat()
         await self.redis.xadd(self.keys.events, {"kind": "generator_join", "id": self.id, "t": f"{time.time():.3f}"})
-        log.info("generator %s up: ingest=%s version=%d", self.id, addr.decode(), self.version)
+        log.info("generator %s up: ingest=%s version=%d", self.id, addr, self.version)
 
     async def _wait_for(self, key: str, what: str, timeout_s: float = 300) -> bytes:
         deadline = time.monotonic() + timeout_s
@@ -189,9 +185,9 @@ class Generator:
                                        prompt_id=task.prompt_id, generator_id=self.id,
                                        prompt_ids=schema.pack_i32(prompt_ids), samples=samples,
                                        sampling=self.sampling, created_at=time.time(), reward_errors=errors)
-        await self.push.send(schema.encode(group))
-        # Ack only after the group is handed to ZeroMQ: a crash before this re-leases the prompt.
-        await self.redis.xack(self.keys.prompts, PROMPT_GROUP, entry_id)
+        # The outbox sends it and acks the prompt once the buffer has ingested the group: a crash
+        # (ours or the buffer's) before that leaves the prompt to be re-sent or re-leased.
+        self.outbox.put(task.group_id, entry_id, schema.encode(group))
         self.tokens += group.num_tokens()
         self.groups += 1
         self.reward_errors += errors
@@ -215,7 +211,7 @@ class Generator:
                 continue
             if self.state != "syncing":
                 self.state = "generating"
-            free = cap - len(self.inflight)
+            free = cap - len(self.inflight) - len(self.outbox)  # held groups count: a full buffer stops leasing
             if free <= 0:
                 await asyncio.sleep(0.01)
                 continue
@@ -250,7 +246,8 @@ class Generator:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
         loop.add_signal_handler(signal.SIGINT, self.stopping.set)
-        helpers = [asyncio.create_task(c) for c in (self.heartbeat_loop(), self.weights_loop(), self.stop_watch())]
+        helpers = [asyncio.create_task(c) for c in (self.heartbeat_loop(), self.weights_loop(), self.stop_watch(),
+                                                    self.outbox.run())]
         try:
             await self.lease_loop()
             # Draining: no new leases; what is in flight finishes and is pushed.
@@ -258,12 +255,15 @@ class Generator:
             await self.heartbeat()
             if self.inflight:
                 await asyncio.wait(self.inflight, timeout=120)
+            if not await self.outbox.drain(timeout_s=60):
+                log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
+                            self.id, len(self.outbox))
         finally:
             for h in helpers:
                 h.cancel()
             await self.redis.delete(self.keys.gen(self.id))
             await self.redis.xadd(self.keys.events, {"kind": "generator_leave", "id": self.id, "t": f"{time.time():.3f}"})
-            self.push.close(linger=30_000)
+            self.outbox.close()
             self.ctx.term()
             self.engine.shutdown()
             await self.redis.aclose()

@@ -153,19 +153,14 @@ class Learner:
         return set(self.live_members()) != set(self.sender.members)
 
     def _read_groups(self, need: int) -> None:
-        block_ms = int(self.cfg.learner.poll_s * 1000)
-        reply = self.client.xreadgroup(LEARNER_GROUP, "learner-0", {self.keys.trajectories: ">"}, count=need,
-                                       block=block_ms)
-        if not reply:
-            return
-        stale = []
-        for entry_id, fields in reply[0][1]:
-            group = schema.decode(fields[b"data"], schema.TrajectoryGroup)
-            lag = self.version - group.min_version()
-            # Staleness rule: a group whose oldest token lags more than max_staleness is not trained on.
-            if lag > self.cfg.algorithm.max_staleness:
-                stale.append(entry_id)
-                continue
+        """Tops up self.pending through the reader (learners/reader.py: XREADGROUP, the staleness
+        filter, buffer.sampling); groups recovered after a restart are already in self.pending."""
+        if getattr(self, "reader", None) is None:
+            from learners.reader import TrajectoryReader
+
+            self.reader = TrajectoryReader(self.client, self.keys, self.cfg, known=self.pending)
+        got, dropped = self.reader.read(need, self.version, in_hand=self.pending)
+        for _, group in got:
             self.check_sampling(group)
             self.pending.append((entry_id, group))
         if stale:

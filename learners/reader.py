@@ -1,0 +1,195 @@
+"""Learner rank 0's reader of the trajectories stream: XREADGROUP, the staleness filter, the strategy.
+
+Strategies (`buffer.sampling`):
+- `fifo` (default): stream order, each group once.
+- `newest`: newest first within the staleness bound. Up to `POOL_BATCHES` batches are read ahead;
+  what is passed over ages in the pool and is dropped (acked, counted) once it is too stale.
+- `replay`: each group is trained up to `buffer.replay_ratio` (k) times while it is within the
+  staleness bound. A batch takes at most ceil(batch / k) fresh groups and fills the rest with
+  groups already trained fewer than k times (least used, newest first); fresh groups make up any
+  shortfall. A group never appears twice in one batch.
+
+Staleness rule: a group whose oldest token lags the learner by more than algorithm.max_staleness is
+never trained on; a fresh one is acked and counted (`dropped_groups` in the `learner` hash, which
+gives it back to the buffer's admission budget), a replayed one just leaves the pool.
+
+Exactly once into the model, on our side of the stream: group ids already handed out are
+remembered, so an entry Redis delivers again (after a redis-server restart replayed an AOF from
+before our XACK, with appendfsync everysec/no) is acked and skipped instead of trained twice. And a
+reply lost to a dropped connection (the retried XREADGROUP moved the entries into our pending list
+without our seeing them) is found by re-reading our own pending entries after every Redis outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import redis
+
+from asyncrl import retry, schema
+from asyncrl.config import Config
+from asyncrl.keys import LEARNER_GROUP, Keys, log_event
+from asyncrl.store import ack_dropped
+
+log = logging.getLogger(__name__)
+
+POOL_BATCHES = 4  # `newest` / `replay`: groups held ahead, in batches
+REMEMBER = 200_000  # group / entry ids remembered for redelivery checks
+
+
+@dataclass
+class _Entry:
+    entry_id: bytes
+    group: schema.TrajectoryGroup
+    min_version: int
+    uses: int = 0
+
+
+def _remember(d: OrderedDict, key) -> None:
+    d[key] = None
+    d.move_to_end(key)
+    if len(d) > REMEMBER:
+        d.popitem(last=False)
+
+
+class TrajectoryReader:
+    def __init__(self, client: redis.Redis, keys: Keys, cfg: Config, consumer: str = "learner-0",
+                 known: list | None = None):
+        """`known`: (entry_id, group) pairs the caller already holds (e.g. recovered after a restart)."""
+        self.client = client
+        self.keys = keys
+        self.consumer = consumer
+        self.strategy = cfg.buffer.sampling
+        self.replay_ratio = cfg.buffer.replay_ratio if self.strategy == "replay" else 1
+        self.max_staleness = cfg.algorithm.max_staleness
+        self.pool_cap = POOL_BATCHES * cfg.learner.batch_groups
+        self.block_ms = int(cfg.learner.poll_s * 1000)
+        self.pool: list[_Entry] = []  # delivered to us, may still be handed out
+        self.handed_entries: OrderedDict = OrderedDict()
+        self.handed_groups: OrderedDict = OrderedDict()
+        for entry_id, group in known or []:
+            _remember(self.handed_entries, entry_id)
+            _remember(self.handed_groups, group.group_id)
+        self._outages = retry.outages()
+        self.num_dropped_stale = 0
+        self.num_redelivered = 0
+        self.num_replayed = 0
+        self.num_replay_expired = 0
+        self.num_rescued = 0
+
+    # ---- Redis -----------------------------------------------------------------------------------
+
+    def _fetch(self, count: int, block: bool) -> list[tuple[bytes, dict]]:
+        reply = self.client.xreadgroup(LEARNER_GROUP, self.consumer, {self.keys.trajectories: ">"}, count=count,
+                                       block=self.block_ms if block else None)
+        return reply[0][1] if reply else []
+
+    def _rescan_pending(self) -> list[tuple[bytes, dict]]:
+        """Our own pending entries we never saw (a reply lost when Redis went away)."""
+        found, start = [], "0"
+        while True:
+            reply = self.client.xreadgroup(LEARNER_GROUP, self.consumer, {self.keys.trajectories: start}, count=1000)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                break
+            found += [(e, f) for e, f in entries if e not in self.handed_entries
+                      and all(p.entry_id != e for p in self.pool)]
+            start = entries[-1][0]
+        if found:
+            self.num_rescued += len(found)
+            log.warning("found %d delivered-but-unseen trajectory groups after a Redis outage", len(found))
+        return found
+
+    def _admit(self, raw: list[tuple[bytes, dict]]) -> None:
+        redelivered = []
+        for entry_id, fields in raw:
+            data = fields.get(b"data") if fields else None
+            if data is None:  # trimmed meanwhile
+                redelivered.append(entry_id)
+                continue
+            try:
+                group = schema.decode(data, schema.TrajectoryGroup)
+            except schema.FrameError as e:  # the buffer validated it; a corrupt entry is skipped, loudly
+                log.error("undecodable trajectory entry %s skipped: %s", entry_id, e)
+                redelivered.append(entry_id)
+                continue
+            if group.group_id in self.handed_groups:
+                redelivered.append(entry_id)
+                continue
+            self.pool.append(_Entry(entry_id, group, group.min_version()))
+        if redelivered:
+            self.num_redelivered += len(redelivered)
+            self.client.xack(self.keys.trajectories, LEARNER_GROUP, *redelivered)
+            log.warning("acked %d trajectory entries delivered again (already trained, trimmed or corrupt)",
+                        len(redelivered))
+
+    def _drop_stale(self, version: int) -> int:
+        keep, stale = [], []
+        for e in self.pool:
+            # Staleness rule: a group whose oldest token lags more than max_staleness is not trained on.
+            if version - e.min_version <= self.max_staleness:
+                keep.append(e)
+            elif e.uses == 0:
+                stale.append(e.entry_id)
+            else:
+                self.num_replay_expired += 1
+        self.pool = keep
+        if not stale:
+            return 0
+        ack_dropped(self.client, self.keys, stale)
+        self.num_dropped_stale += len(stale)
+        log_event(self.client, self.keys, "drop_stale", num=len(stale), version=version)
+        return len(stale)
+
+    # ---- strategy --------------------------------------------------------------------------------
+
+    def _select(self, need: int, exclude: set[str]) -> list[_Entry]:
+        cands = [e for e in self.pool if e.group.group_id not in exclude and e.uses < self.replay_ratio]
+        fresh = [e for e in cands if e.uses == 0]
+        if self.strategy == "fifo":
+            return fresh[:need]
+        if self.strategy == "newest":
+            return sorted(fresh, key=lambda e: (e.min_version, e.group.created_at), reverse=True)[:need]
+        quota = math.ceil(need / self.replay_ratio)
+        chosen = fresh[:quota]
+        reused = sorted((e for e in cands if e.uses > 0), key=lambda e: (e.uses, -e.min_version, -e.group.created_at))
+        chosen += reused[:need - len(chosen)]
+        chosen += fresh[quota:quota + need - len(chosen)]
+        return chosen
+
+    def read(self, need: int, version: int, in_hand: list | None = None) -> tuple[list, int]:
+        """Up to `need` (entry_id, group) pairs to train on at learner `version`, and how many were
+        dropped as stale. Blocks up to learner.poll_s only when nothing is there to hand out.
+
+        `in_hand`: pairs the caller holds and has not trained yet (kept out of the selection)."""
+        exclude = {g.group_id for _, g in in_hand or []}
+        raw = []
+        if retry.outages() != self._outages:
+            self._outages = retry.outages()
+            raw += self._rescan_pending()
+        self._admit(raw)
+        dropped = self._drop_stale(version)
+        ready = len(self._select(need, exclude))
+        want = need if self.strategy == "fifo" else max(need, self.pool_cap - len(self.pool))
+        if self.strategy == "replay":
+            want = max(math.ceil(need / self.replay_ratio), self.pool_cap - len(self.pool))
+        if want > 0 and (self.strategy != "fifo" or ready < need):
+            self._admit(self._fetch(want, block=ready < need))
+            dropped += self._drop_stale(version)
+        chosen = self._select(need, exclude)
+        for e in chosen:
+            if e.uses > 0:
+                self.num_replayed += 1
+            e.uses += 1
+            _remember(self.handed_entries, e.entry_id)
+            _remember(self.handed_groups, e.group.group_id)
+        self.pool = [e for e in self.pool if e.uses < self.replay_ratio]
+        return [(e.entry_id, e.group) for e in chosen], dropped
+
+    def stats(self) -> dict[str, int]:
+        return {"dropped_stale": self.num_dropped_stale, "redelivered": self.num_redelivered,
+                "replayed": self.num_replayed, "replay_expired": self.num_replay_expired,
+                "rescued": self.num_rescued, "pool": len(self.pool)}
