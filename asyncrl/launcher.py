@@ -116,9 +116,15 @@ class Launcher:
         print(f"asyncrl run: {cfg.run.name} in {self.run_dir} | {cfg.generator.num_generators} generator(s), "
               f"{cfg.learner.nproc} learner rank(s), {cfg.run.max_steps} steps | logs in {self.run_dir}/logs",
               flush=True)
+        from asyncrl.watchdog import launcher_watchdog
+
+        watchdog = launcher_watchdog(cfg, client, keys)  # None when run.stall_timeout_s is 0
         while True:
             if self._interrupted:
                 return 130
+            if watchdog is not None and watchdog.poll() and cfg.run.on_stall == "fail":
+                log.error("run.on_stall=fail: stopping the stalled run")
+                return 3
             learner = self.children["learner"]
             code = learner.poll()
             if code is not None:

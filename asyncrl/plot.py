@@ -1,0 +1,128 @@
+"""`asyncrl plot RUN_DIR`: the pictures a person checks first when training misbehaves.
+
+Reads `{run_dir}/metrics.jsonl` (one row per learner step) and writes PNGs (matplotlib, Agg) to
+`{run_dir}/plots/`: reward mean and distribution, KL and entropy (when the run logged them),
+version lag (histogram and over time), throughput per role, weight-sync time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def load_rows(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: pass the run directory ({{run.dir}}/{{run.name}})")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} has no rows yet: wait for the first learner step")
+    return rows
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = load_rows(run_dir)
+    out = Path(out_dir) if out_dir else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    # Reward: the mean and the spread of each batch (quantile bands).
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps, mean = _series(rows, "reward_mean")
+    ax.plot(steps, mean, label="mean", color="C0")
+    for lo, hi, alpha in (("reward_p10", "reward_p90", 0.15), ("reward_p25", "reward_p75", 0.3)):
+        s_lo, v_lo = _series(rows, lo)
+        s_hi, v_hi = _series(rows, hi)
+        if v_lo and len(v_lo) == len(v_hi):
+            ax.fill_between(s_lo, v_lo, v_hi, alpha=alpha, color="C0", label=f"{lo[-3:]}-{hi[-3:]}")
+    s_max, v_max = _series(rows, "reward_max")
+    if v_max:
+        ax.plot(s_max, v_max, ":", color="C1", label="max")
+    ax.set(xlabel="step", ylabel="reward", title="reward per batch")
+    ax.legend(loc="best")
+    save(fig, "reward.png")
+
+    # Reward distribution, all steps: early vs late halves.
+    if any("reward_p50" in r for r in rows):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        half = max(len(rows) // 2, 1)
+        for part, label in ((rows[:half], "first half"), (rows[half:], "second half")):
+            vals = [r[k] for r in part for k in ("reward_p10", "reward_p25", "reward_p50", "reward_p75", "reward_p90")
+                    if k in r]
+            if vals:
+                ax.hist(vals, bins=20, alpha=0.5, label=label)
+        ax.set(xlabel="reward (batch quantiles)", ylabel="count", title="reward distribution")
+        ax.legend(loc="best")
+        save(fig, "reward_distribution.png")
+
+    for key in ("kl", "entropy"):
+        steps, vals = _series(rows, key)
+        if vals:
+            fig, ax = plt.subplots(figsize=(8, 4.5))
+            ax.plot(steps, vals)
+            ax.set(xlabel="step", ylabel=key, title=key)
+            save(fig, f"{key}.png")
+        else:
+            log.info("no %r in %s/metrics.jsonl: %s.png skipped", key, run_dir, key)
+
+    # Version lag: histogram over all trained tokens, and mean/max over time.
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    hist: dict[int, int] = {}
+    for r in rows:
+        for lag, count in r.get("lag_hist", {}).items():
+            hist[int(lag)] = hist.get(int(lag), 0) + int(count)
+    if hist:
+        a1.bar(list(hist), list(hist.values()))
+    a1.set(xlabel="version lag", ylabel="tokens", title="version lag of trained tokens")
+    for key, style in (("lag_mean", "-"), ("lag_max", "--")):
+        steps, vals = _series(rows, key)
+        a2.plot(steps, vals, style, label=key)
+    a2.set(xlabel="step", ylabel="versions", title="version lag over time")
+    a2.legend(loc="best")
+    save(fig, "lag.png")
+
+    # Throughput per role.
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, label in (("gen_tokens_per_s", "generators (tokens/s)"), ("learner_tokens_per_s", "learner (tokens/s)")):
+        steps, vals = _series(rows, key)
+        if vals:
+            ax.plot(steps, vals, label=label)
+    ax.set(xlabel="step", ylabel="tokens/s", title="throughput per role")
+    ax.legend(loc="best")
+    save(fig, "throughput.png")
+
+    # Weight sync time and idle ratios.
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    steps, vals = _series(rows, "sync_s")
+    a1.plot(steps, vals, marker=".")
+    a1.set(xlabel="step", ylabel="seconds", title="weight sync time")
+    for key, label in (("idle_ratio", "learner idle"), ("gen_idle_ratio_mean", "generators idle")):
+        steps, vals = _series(rows, key)
+        if vals:
+            a2.plot(steps, vals, label=label)
+    a2.set(xlabel="step", ylabel="fraction", title="idle ratios", ylim=(0, 1))
+    a2.legend(loc="best")
+    save(fig, "sync.png")
+    return written
