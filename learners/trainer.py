@@ -162,14 +162,8 @@ class Learner:
         got, dropped = self.reader.read(need, self.version, in_hand=self.pending)
         for _, group in got:
             self.check_sampling(group)
-            self.pending.append((entry_id, group))
-        if stale:
-            self.dropped_stale += len(stale)
-            pipe = self.client.pipeline(transaction=True)
-            pipe.xack(self.keys.trajectories, LEARNER_GROUP, *stale)
-            pipe.hincrby(self.keys.learner, "dropped_groups", len(stale))
-            pipe.execute()
-            log_event(self.client, self.keys, "drop_stale", num=len(stale), version=self.version)
+        self.pending.extend(got)
+        self.dropped_stale += dropped
 
     def check_sampling(self, group: schema.TrajectoryGroup) -> None:
         g = self.cfg.generator
