@@ -99,6 +99,9 @@ class BufferService:
         self.client.set(self.keys.buffer_instance, self.instance)
         self.client.set(self.keys.ingest_addr, self.ingest_addr)
         log_event(self.client, self.keys, "buffer_start", addr=self.ingest_addr, instance=self.instance)
+        from asyncrl.exporter import start_exporter
+
+        self.exporter = start_exporter(self.cfg, "buffer", client=self.client, keys=self.keys)  # /metrics
         log.info("buffer up: ingest=%s instance=%s prompts=%d capacity=%d", self.ingest_addr, self.instance,
                  len(self.rows), self.cfg.buffer.capacity)
 
@@ -240,6 +243,8 @@ class BufferService:
                   "oldest_age_s": oldest_age, "stream_len": self.client.xlen(self.keys.trajectories),
                   "instance": self.instance, "updated_at": time.time()}
         self.client.hset(self.keys.metrics, mapping={f"buffer:{k}": v for k, v in fields.items()})
+        if (exporter := getattr(self, "exporter", None)) is not None:  # started in setup()
+            exporter.update(fields)
 
     # ---- main loop -----------------------------------------------------------------------------
 
