@@ -1,0 +1,145 @@
+"""Observability parts on real Redis and real sockets, without a full run: the Prometheus exporter
+scraped over HTTP and parsed, the watchdog's diagnoses, the step logger's backends read back."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.exporter import Exporter, all_metric_names
+from asyncrl.keys import Keys, connect, log_event
+from asyncrl.store import ensure_groups
+from asyncrl.watchdog import Watchdog
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def scrape(url: str) -> dict:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_every_exported_metric_name_is_documented():
+    docs = DOCS.read_text()
+    missing = [n for n in all_metric_names() if f"`{n}`" not in docs]
+    assert not missing, f"undocumented in docs/metrics.md: {missing}"
+
+
+def test_logging_backends_are_type_checked():
+    assert load_config(None, ["logging.backends=jsonl,tensorboard"]).logging.backends == ["jsonl", "tensorboard"]
+    with pytest.raises(ConfigError, match=r"logging.backends\[0\]"):
+        load_config(None, ["logging.backends=[wandbb]"])
+
+
+def test_exporter_serves_parseable_metrics_with_histogram_and_labels():
+    learner = Exporter("learner")
+    gen = Exporter("generator", {"generator": "g7"})
+    try:
+        url = learner.serve("127.0.0.1", 0)
+        learner.update({"step": 3, "version": 3, "lag_mean": 0.25, "lag_max": 1, "ess": 0.9, "tag": "x"})
+        learner.observe_lags({"0": 6, "1": 2})
+        learner.observe_lags({"1": 1, "5": 1})
+        fams = scrape(url)
+        assert fams["asyncrl_learner_version"].samples[0].value == 3
+        assert fams["asyncrl_staleness_is_ess"].samples[0].value == 0.9
+        buckets = {s.labels["le"]: s.value for s in fams["asyncrl_staleness_lag"].samples
+                   if s.name.endswith("_bucket")}
+        assert buckets["0"] == 6 and buckets["1"] == 9 and buckets["4"] == 9 and buckets["8"] == 10
+        assert buckets["+Inf"] == 10
+        gurl = gen.serve("127.0.0.1", 0)
+        gen.update({"version": 2, "tokens": 40, "state": "waiting_weights"})
+        g = scrape(gurl)
+        assert g["asyncrl_generator_version"].samples[0].labels == {"generator": "g7"}
+        assert [s.value for s in g["asyncrl_generator_tokens"].samples if s.name.endswith("_total")] == [40]
+        states = {s.labels["state"]: s.value for s in g["asyncrl_generator_state"].samples}
+        assert states["waiting_weights"] == 1 and states["generating"] == 0
+    finally:
+        learner.close()
+        gen.close()
+
+
+def test_exporter_fixed_port_falls_back_to_the_next_free_one():
+    a, b = Exporter("buffer"), Exporter("buffer")
+    try:
+        a.serve("127.0.0.1", 0)
+        port = int(a.url.rsplit(":", 1)[1].split("/")[0])
+        b.serve("127.0.0.1", port)  # taken: the next one
+        assert b.url != a.url and scrape(b.url) is not None
+    finally:
+        a.close()
+        b.close()
+
+
+def _cfg(redis, *extra):
+    return load_config(None, [f"buffer.redis_url={redis.url}", "run.stall_timeout_s=5", *extra])
+
+
+def test_watchdog_names_the_frozen_generator_and_why(redis_server):
+    cfg = _cfg(redis_server)
+    client, keys = connect(redis_server.url), Keys(cfg.run.name)
+    ensure_groups(client, keys)
+    now = time.time()
+    client.hset(keys.gen("g0"), mapping={"id": "g0", "state": "generating", "version": 3, "pid": 4242,
+                                         "updated_at": now - 2})
+    client.hset(keys.gen("g1"), mapping={"id": "g1", "state": "generating", "version": 3, "pid": 4343,
+                                         "updated_at": now - 30})
+    wd = Watchdog(client, keys, cfg)
+    stalls = wd.check(now)
+    assert [(s.role, s.what) for s in stalls] == [("generator:g1", "heartbeat")]
+    assert "4343" in stalls[0].reason and "frozen" in stalls[0].reason
+    assert wd.check(now) == [], "a stall is reported once, not every check"
+    # The key expires (TTL): still reported, as expired without a leave.
+    client.delete(keys.gen("g1"))
+    wd2 = Watchdog(client, keys, cfg)
+    wd2.seen["g1"] = {"id": "g1", "updated_at": str(now - 30)}
+    assert "expired" in wd2.check(now)[0].reason
+    # A generator that left cleanly is not a stall.
+    log_event(client, keys, "generator_leave", id="g1")
+    assert wd2.evaluate(now) == []
+
+
+def test_watchdog_learner_waiting_on_generators_waiting_on_weights(redis_server):
+    cfg = _cfg(redis_server)
+    client, keys = connect(redis_server.url), Keys(cfg.run.name)
+    ensure_groups(client, keys)
+    client.set(keys.version, 4)
+    log_event(client, keys, "learner_start", version=0)
+    client.xadd(keys.trajectories, {"data": b"x"}, id=f"{int((time.time() - 60) * 1000)}-0")
+    client.xreadgroup("learner", "t", {keys.trajectories: ">"}, count=1)  # delivered: depth 0
+    client.hset(keys.learner, mapping={"step": 4, "version": 4, "updated_at": time.time() - 60})
+    wd = Watchdog(client, keys, cfg)
+    client.hset(keys.gen("g0"), mapping={"id": "g0", "state": "generating", "version": 3,
+                                         "updated_at": time.time()})
+    wd.evaluate()  # g0 held a version: generation could start from here
+    client.hset(keys.gen("g0"), mapping={"state": "waiting_weights", "version": -1})
+    later = time.time() + 10
+    client.hset(keys.gen("g0"), "updated_at", later)
+    stalls = {(s.role, s.what): s for s in wd.evaluate(later)}
+    assert ("generators", "no_trajectory") in stalls
+    assert "waiting_weights" in stalls[("generators", "no_trajectory")].reason
+    learner = stalls[("learner", "no_step")]
+    assert "waiting for data" in learner.reason and "g0=waiting_weights" in learner.reason
+
+
+def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from asyncrl.metrics import MetricsLogger
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "logging.backends=[tensorboard]"])
+    logger = MetricsLogger(cfg)
+    for step in (1, 2, 3):
+        logger.log(step, {"step": step, "lag_mean": 0.5 * step, "lag_hist": {"0": 4, "1": step}, "who": ["g0"]})
+    logger.close()
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    acc = EventAccumulator(str(cfg.run_dir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("lag_mean")] == [0.5, 1.0, 1.5]
+    assert [h.histogram_value.num for h in acc.Histograms("lag_hist")] == [5, 6, 7]
