@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from asyncrl import schema
-from asyncrl.algorithms import decoupled_ppo_loss, token_logprobs
 from asyncrl.config import Config
 from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
 from asyncrl.store import ensure_groups, group_lag
 from asyncrl.weight_sync import SyncTimeout, WeightSender, pack_buckets, plan_buckets, to_dtype
 from learners.batch import build_batch
+from learners.step import policy_update
 
 log = logging.getLogger(__name__)
 
@@ -239,53 +239,22 @@ class Learner:
         cfg = self.cfg
         t0 = time.perf_counter()
         batch = build_batch(groups, self.pad_id, norm_std=cfg.algorithm.advantage == "grpo", device=self.device)
-        temperature = cfg.generator.temperature
         # Exact global token mean across ranks: scale each rank's loss by its share of all tokens.
         ntok = torch.tensor([float(batch.num_tokens)], device=self.device)
         if self.world > 1:
             dist.all_reduce(ntok)
         share = batch.num_tokens * self.world / max(float(ntok), 1.0)
-        num_updates = cfg.learner.ppo_epochs * cfg.learner.minibatches
-        self.model.train()
-        prox = None
-        if num_updates > 1:
-            with torch.no_grad():
-                logits = self.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
-                prox = token_logprobs(logits[:, :-1], batch.targets_BT, temperature)
-        logits = self.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
-        logp = token_logprobs(logits[:, :-1], batch.targets_BT, temperature)
-        # With a single update per batch the proximal policy is the current one, exactly.
-        prox_logp = logp.detach() if prox is None else prox
-        loss, ls = decoupled_ppo_loss(logp, prox_logp, batch.behav_logp_BT, batch.adv_B, batch.loss_mask_BT,
-                                      cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.is_cap,
-                                      cfg.algorithm.aggregation)
-        (loss * share).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # Further PPO epochs / minibatches re-use `prox`; kept simple here: one pass per update.
-        for _ in range(num_updates - 1):
-            logits = self.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
-            logp = token_logprobs(logits[:, :-1], batch.targets_BT, temperature)
-            loss2, _ = decoupled_ppo_loss(logp, prox, batch.behav_logp_BT, batch.adv_B, batch.loss_mask_BT,
-                                          cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.is_cap,
-                                          cfg.algorithm.aggregation)
-            (loss2 * share).backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        vals = torch.tensor([float(loss.detach()), ls.ratio_mean, ls.is_weight_mean, ls.ess, ls.clip_frac,
-                             ls.is_capped_frac], device=self.device)
-        maxes = torch.tensor([ls.ratio_max, ls.is_weight_max], device=self.device)
+        st = policy_update(self.model, self.optimizer, batch, cfg, loss_scale=share)
+        vals = torch.tensor([st["loss"], st["ratio_mean"], st["is_weight_mean"], st["ess"], st["clip_frac"],
+                             st["is_capped_frac"]], device=self.device)
+        maxes = torch.tensor([st["ratio_max"], st["is_weight_max"]], device=self.device)
         if self.world > 1:
             dist.all_reduce(vals)
             vals /= self.world
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         return {"loss": float(vals[0]), "ratio_mean": float(vals[1]), "is_weight_mean": float(vals[2]),
                 "ess": float(vals[3]), "clip_frac": float(vals[4]), "is_capped_frac": float(vals[5]),
-                "ratio_max": float(maxes[0]), "is_weight_max": float(maxes[1]), "grad_norm": float(grad_norm),
+                "ratio_max": float(maxes[0]), "is_weight_max": float(maxes[1]), "grad_norm": st["grad_norm"],
                 "tokens": float(ntok), "step_s": time.perf_counter() - t0}
 
     def _ack(self) -> None:

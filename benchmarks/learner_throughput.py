@@ -1,0 +1,306 @@
+"""Learner throughput: the production RL step against a plain Hugging Face LM step of the same shape.
+
+    python benchmarks/learner_throughput.py --out runs/learner_throughput.json          # one H200
+    python benchmarks/learner_throughput.py --device cpu --tiny                          # smoke test
+
+Variants, each on random weights from a Qwen2Config of the named shape, bf16 matmuls, SDPA attention:
+  plain       bf16 model, `model(input_ids, labels=input_ids).loss.backward()`, torch.optim.AdamW
+              (default foreach), zero_grad. No FSDP, no clipping.
+  rl          what the learner does: fp32 master weights under FSDP2 `fully_shard` (world size 1,
+              MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), fused AdamW, plus a frozen
+              bf16 reference copy under FSDP2. One step = reference log-probs (no grad) +
+              `learners.step.policy_update` (chunked log-probs of the sampled tokens, decoupled-PPO
+              loss, backward, grad clipping, optimizer step).
+  rl_compile  `rl` with each decoder layer's forward under torch.compile (policy and reference).
+
+FLOPs per step, N = parameters in Linear layers (the tied output head counted once, input
+embedding lookups not), per token of the B x L batch, n_layers, d_attn = heads x head_dim, causal
+attention (each query sees s/2 keys on average):
+  forward with grad + backward  6 N + 6 n_layers s d_attn
+  forward without grad          2 N + 2 n_layers s d_attn
+  plain = tokens x (6 N + 6 n_layers s d_attn); rl = tokens x (8 N + 8 n_layers s d_attn).
+Recomputation (the chunked head's backward recomputes its logits) is work done but not counted.
+MFU = counted FLOPs / step time / peak, the peak being a bf16 8192^3 matmul on random data
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = {  # Qwen2.5-0.5B / -1.5B (both tie their embeddings), and a CPU smoke-test shape
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=1024),
+}
+
+
+def qwen2_config(shape: str):
+    from transformers import Qwen2Config
+
+    s = SHAPES[shape]
+    return Qwen2Config(**s, head_dim=s["hidden_size"] // s["num_attention_heads"], max_position_embeddings=32768,
+                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, use_cache=False,
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def build_model(shape: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(qwen2_config(shape), dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in matmuls: every Linear weight (a tied head is the embedding, once)."""
+    seen, n = set(), 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in seen:
+            seen.add(id(mod.weight))
+            n += mod.weight.numel()
+    return n
+
+
+def flops_per_token(model, seq: int) -> tuple[float, float]:
+    """(train: fwd+bwd, no-grad fwd) FLOPs per token; see the module docstring."""
+    c = model.config
+    n = matmul_params(model)
+    attn = c.num_hidden_layers * seq * c.num_attention_heads * c.head_dim
+    return 6 * n + 6 * attn, 2 * n + 2 * attn
+
+
+def measure_peak(device: torch.device, size: int) -> float:
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * size**3 * reps / (time.perf_counter() - t0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_groups(batch: int, seq: int, prompt_len: int, vocab: int, seed: int):
+    """Trajectory groups as generators send them: `batch` samples of `seq` tokens, no padding."""
+    import numpy as np
+
+    from asyncrl import schema
+
+    rng = np.random.default_rng(seed)
+    n_per_group = min(8, batch)
+    assert batch % n_per_group == 0
+    groups = []
+    for gi in range(batch // n_per_group):
+        comp_len = seq - prompt_len
+        samples = [schema.Sample(
+            completion_ids=schema.pack_i32(rng.integers(3, vocab, comp_len)),
+            logprobs=schema.pack_f32(-rng.exponential(1.0, comp_len)),
+            versions=schema.pack_i32(np.zeros(comp_len, dtype=np.int32)),
+            reward=float(rng.random()), finish_reason="length") for _ in range(n_per_group)]
+        groups.append(schema.TrajectoryGroup(
+            schema_version=schema.SCHEMA_VERSION, group_id=f"p{gi}@e0", prompt_id=f"p{gi}", generator_id="bench",
+            prompt_ids=schema.pack_i32(rng.integers(3, vocab, prompt_len)), samples=samples,
+            sampling=schema.SamplingInfo(1.0, 1.0, -1), created_at=time.time()))
+    return groups
+
+
+def compile_layers(model) -> None:
+    # The layer's forward only: FSDP2's hooks stay outside the compiled region.
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+
+
+def setup_plain(shape, device, batch, seq, compile_):
+    model = build_model(shape, torch.bfloat16, device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(3, model.config.vocab_size, (batch, seq), device=device)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train_f, _ = flops_per_token(model, seq)
+    return step, train_f * batch * seq, model
+
+
+def setup_rl(shape, device, batch, seq, compile_):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from asyncrl.config import Config
+    from learners.batch import build_batch
+    from learners.step import policy_update, reference_logprobs
+
+    cfg = Config()
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = build_model(shape, torch.float32, device)
+    ref = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
+    for m in (policy, ref):
+        if compile_:
+            compile_layers(m)
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=cfg.learner.weight_decay,
+                            fused=device.type == "cuda")
+    groups = make_groups(batch, seq, prompt_len=max(1, seq // 8), vocab=policy.config.vocab_size, seed=0)
+    b = build_batch(groups, 0, norm_std=True, device=device)
+    assert tuple(b.input_ids_BL.shape) == (batch, seq)
+    share = 1.0  # world size 1: this rank holds all the tokens
+    last = {}
+
+    def step():
+        ref_logp = reference_logprobs(ref, b, cfg.generator.temperature)
+        last.update(policy_update(policy, opt, b, cfg, share))
+        last["ref_logp_mean"] = float((ref_logp * b.loss_mask_BT).sum() / b.loss_mask_BT.sum())
+
+    train_f, fwd_f = flops_per_token(policy, seq)
+    return step, (train_f + fwd_f) * batch * seq, (policy, last)
+
+
+def run_variant(variant, shape, device, batch, seq, warmup, steps, peak):
+    setup = setup_plain if variant == "plain" else setup_rl
+    t_setup = time.perf_counter()
+    step, flops, keep = setup(shape, device, batch, seq, variant.endswith("compile"))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    tokens = batch * seq
+    row = {"variant": variant, "shape": shape, "seq": seq, "batch": batch, "tokens": tokens,
+           "matmul_params": matmul_params(keep[0] if isinstance(keep, tuple) else keep),
+           "step_s_median": med, "step_s_all": times, "tokens_per_s": tokens / med, "flops_per_step": flops,
+           "tflops_per_s": flops / med / 1e12, "mfu": flops / med / peak, "total_s": time.perf_counter() - t_setup,
+           "warmup_s": warm_s,
+           "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    if isinstance(keep, tuple):
+        row["last_stats"] = {k: v for k, v in keep[1].items() if math.isfinite(v)}
+    return row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shape, short sequences (CPU smoke test)")
+    p.add_argument("--shapes", default="0.5b,1.5b")
+    p.add_argument("--seqs", default="1024,2048,4096")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step; batch = tokens // seq")
+    p.add_argument("--variants", default="plain,rl")
+    p.add_argument("--compile-seqs", default="2048", help="sequence lengths that also run rl_compile ('' = none)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default="runs/learner_throughput.json")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.shapes, args.seqs, args.tokens, args.compile_seqs = "tiny", "32,64", 256, args.compile_seqs and "64"
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    import transformers
+
+    peak = measure_peak(device, 8192 if device.type == "cuda" else 512)
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "peak_bf16_matmul_tflops": peak / 1e12, "argv": sys.argv[1:]}
+    print(json.dumps(meta), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    plan = [(v, sh, int(s)) for sh in args.shapes.split(",") for s in args.seqs.split(",")
+            for v in args.variants.split(",") if v]
+    compile_seqs = {int(s) for s in args.compile_seqs.split(",") if s}
+    plan += [("rl_compile", sh, s) for sh in args.shapes.split(",") for s in sorted(compile_seqs)]
+    for variant, shape, seq in plan:
+        batch = max(1, args.tokens // seq)
+        try:
+            row = run_variant(variant, shape, device, batch, seq, args.warmup, args.steps, peak)
+        except Exception as e:  # a failed variant is reported in the table and JSON, the others still run
+            traceback.print_exc()
+            row = {"variant": variant, "shape": shape, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"[:500]}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "step_s_all"}), flush=True)
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        gc.collect()  # the models of a finished variant sit in reference cycles
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print_table(rows, meta)
+    dist.destroy_process_group()
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def print_table(rows, meta) -> None:
+    plain = {(r["shape"], r["seq"]): r for r in rows if r["variant"] == "plain" and "error" not in r}
+    print(f"\npeak (measured bf16 8192^3 matmul): {meta['peak_bf16_matmul_tflops']:.0f} TFLOP/s on {meta['device']}")
+    print(f"| {'shape':5} | {'seq':>5} | {'batch':>5} | {'variant':10} | {'step s':>7} | {'tokens/s':>9} | "
+          f"{'TFLOP/s':>7} | {'MFU':>5} | {'vs plain':>8} | {'mem GiB':>7} |")
+    print("|" + "|".join("-" * w for w in (7, 7, 7, 12, 9, 11, 9, 7, 10, 9)) + "|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']:5} | {r['seq']:5} | {r['batch']:5} | {r['variant']:10} | failed: {r['error'][:80]}")
+            continue
+        base = plain.get((r["shape"], r["seq"]))
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        mem = f"{r['max_mem_gib']:.1f}" if r["max_mem_gib"] is not None else "-"
+        print(f"| {r['shape']:5} | {r['seq']:5} | {r['batch']:5} | {r['variant']:10} | {r['step_s_median']:7.3f} | "
+              f"{r['tokens_per_s']:9.0f} | {r['tflops_per_s']:7.1f} | {100 * r['mfu']:4.1f}% | {ratio:>8} | {mem:>7} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

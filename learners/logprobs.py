@@ -1,0 +1,132 @@
+"""Token log-probs of a causal LM without the full B x T x V logits.
+
+The decoder runs once for hidden states; the output projection, log-softmax and gather then run over
+row chunks inside one autograd Function whose backward recomputes each chunk's logits, so neither
+pass ever holds more than `chunk_rows x V` logits (fp32) at once. N = B*T flattened rows, H = hidden
+size, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+_METHOD = "asyncrl_token_logprobs"
+_CHUNK_BYTES = 1 << 30  # fp32 logits per chunk: about 1 GiB (1766 rows at V = 151936)
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    return max(64, _CHUNK_BYTES // (4 * vocab_size) // 64 * 64)
+
+
+class ChunkedLinearLogprob(torch.autograd.Function):
+    """logp[n] = log_softmax((h_NH / temperature) @ W_VH^T)[n, y_n], chunked over N in both passes.
+
+    The output has the targets' shape (N rows in order) and is not a view, so it can be an FSDP2
+    forward's return value."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets, temperature: float, chunk_rows: int):
+        inv_t = 1.0 / temperature
+        targets_N = targets.reshape(-1)
+        out = torch.empty(targets.shape, dtype=torch.float32, device=hidden_NH.device)
+        out_N = out.view(-1)
+        for i in range(0, hidden_NH.shape[0], chunk_rows):
+            h = hidden_NH[i:i + chunk_rows]
+            logits = _chunk_logits(h, weight_VH, bias_V, inv_t)
+            # One kernel, bf16 in / fp32 out: the fp32 copy of the chunk is the only full-width buffer.
+            logp_cV = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            out_N[i:i + chunk_rows] = logp_cV.gather(1, targets_N[i:i + chunk_rows, None]).squeeze(1)
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N)
+        ctx.inv_t, ctx.chunk_rows = inv_t, chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden_NH, weight_VH, bias_V, targets_N = ctx.saved_tensors
+        inv_t, chunk_rows = ctx.inv_t, ctx.chunk_rows
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden_NH) if need_h else None
+        # Weight grads accumulate across chunks in fp32 so bf16 rounding happens once, not per chunk.
+        grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
+        grad_b = torch.zeros(weight_VH.shape[0], dtype=torch.float32, device=weight_VH.device) \
+            if need_b and bias_V is not None else None
+        grad_N = grad_out.reshape(-1).float()
+        for i in range(0, hidden_NH.shape[0], chunk_rows):
+            h = hidden_NH[i:i + chunk_rows]
+            g = grad_N[i:i + chunk_rows]
+            logits = _chunk_logits(h, weight_VH, bias_V, inv_t)
+            # d logp_n / d z_n = onehot(y_n) - softmax(z_n); built in fp32, cast once to the matmul dtype.
+            p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            p.scatter_add_(1, targets_N[i:i + chunk_rows, None], torch.full_like(g[:, None], -1.0))
+            grad_z = torch.mul(p, (-g)[:, None], out=torch.empty_like(logits))
+            del p, logits
+            if grad_h is not None:
+                grad_h[i:i + chunk_rows] = (grad_z @ weight_VH) * inv_t
+            if grad_w is not None:
+                grad_w += grad_z.t() @ (h * inv_t)
+            if grad_b is not None:
+                grad_b += grad_z.float().sum(0) * inv_t
+        if grad_w is not None:
+            grad_w = grad_w.to(weight_VH.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias_V.dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def _chunk_logits(h_cH, weight_VH, bias_V, inv_t: float) -> torch.Tensor:
+    # (h / t) W^T rather than (h W^T) / t: scales c x H values instead of c x V.
+    h = h_cH * inv_t if inv_t != 1.0 else h_cH
+    logits = h @ weight_VH.t()
+    if bias_V is not None:
+        logits = logits + bias_V * inv_t
+    return logits
+
+
+def linear_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor,
+                    temperature: float, bias_V: torch.Tensor | None = None,
+                    chunk_rows: int | None = None) -> torch.Tensor:
+    """log softmax((hidden W^T + b) / temperature) at `targets`, fp32, shape B x T."""
+    chunk_rows = chunk_rows or default_chunk_rows(weight_VH.shape[0])
+    flat = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+    return ChunkedLinearLogprob.apply(flat, weight_VH, bias_V, targets_BT, temperature, chunk_rows)
+
+
+def _output_head(model: nn.Module) -> nn.Linear:
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"chunked log-probs need a Linear output head, {type(model).__name__} has "
+                         f"{type(head).__name__}; compute log-probs from model(...).logits instead")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which the "
+                         "chunked log-probs do not apply; compute them from model(...).logits instead")
+    return head
+
+
+def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, temperature: float,
+                            chunk_rows: int | None = None) -> torch.Tensor:
+    # Runs as an FSDP2 forward method: the root's parameters (embeddings, final norm, output head; a
+    # tied head shares the embedding weight) are unsharded here and their grads reduced afterwards.
+    head = _output_head(self)
+    hidden_BLH = self.get_decoder()(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
+                                    use_cache=False).last_hidden_state
+    return linear_logprobs(hidden_BLH[:, :-1], head.weight, input_ids_BL[:, 1:], temperature, head.bias,
+                           chunk_rows)
+
+
+def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
+                      temperature: float, chunk_rows: int | None = None) -> torch.Tensor:
+    """logp_BT[b, j] = log pi(input_ids[b, j+1] | input_ids[b, :j+1]) at `temperature`, for a Hugging
+    Face causal LM (plain or FSDP2-wrapped), without materialising B x T x V logits."""
+    method = getattr(model, _METHOD, None)
+    if method is None:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        # Attached once per model; with FSDP2 the method gets the root's pre/post-forward hooks, as
+        # `generate` does. A no-op registration for a model that is not FSDP-wrapped.
+        setattr(model, _METHOD, types.MethodType(_token_logprobs_forward, model))
+        register_fsdp_forward_method(model, _METHOD)
+        method = getattr(model, _METHOD)
+    return method(input_ids_BL, attention_mask_BL, temperature, chunk_rows)

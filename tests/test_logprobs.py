@@ -1,0 +1,169 @@
+"""Chunked log-probs against the naive full-logits computation: values and gradients, plain and FSDP2."""
+
+import copy
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncrl.algorithms import decoupled_ppo_loss, token_logprobs
+from asyncrl.config import Config
+from asyncrl.tiny_model import tiny_config
+from learners.logprobs import linear_logprobs, sequence_logprobs
+from learners.step import policy_update
+
+
+def naive_linear_logprobs(h, w, b, targets, temperature):
+    logits = h @ w.t() + (b if b is not None else 0.0)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_logprobs_values_and_grads_match_naive(with_bias):
+    torch.manual_seed(0)
+    B, T, H, V = 2, 7, 5, 13
+    h = torch.randn(B, T, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, V, (B, T))
+    upstream = torch.randn(B, T, dtype=torch.float64)
+    leaves = [t for t in (h, w, b) if t is not None]
+
+    ref = naive_linear_logprobs(h, w, b, targets, 0.7)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), leaves)
+    out = linear_logprobs(h, w, targets, 0.7, bias_V=b, chunk_rows=3)  # 14 rows: chunks of 3, 3, 3, 3, 2
+    grads = torch.autograd.grad((out * upstream.float()).sum(), leaves)
+
+    assert out.dtype == torch.float32 and out.shape == (B, T)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        assert g.dtype == rg.dtype
+        assert torch.allclose(g, rg, atol=1e-5), (g - rg).abs().max()
+
+
+def test_linear_logprobs_bf16_close_to_fp32():
+    torch.manual_seed(1)
+    h = torch.randn(3, 40, 32)
+    w = torch.randn(500, 32) * 0.2
+    targets = torch.randint(0, 500, (3, 40))
+    ref = naive_linear_logprobs(h, w, None, targets, 1.0)
+    out = linear_logprobs(h.bfloat16(), w.bfloat16(), targets, 1.0, chunk_rows=64)
+    assert out.dtype == torch.float32
+    assert ((out - ref).norm() / ref.norm()) < 1e-2
+
+
+def tiny_lm(tied: bool, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(vocab_size=37, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48)
+    cfg.tie_word_embeddings = tied
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def padded_batch(vocab=37, B=3, L=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, L), generator=g)
+    attn = torch.ones(B, L, dtype=torch.long)
+    attn[1, 6:] = 0  # right padding, as build_batch makes it
+    ids[1, 6:] = 0
+    return ids, attn
+
+
+def naive_sequence_logprobs(model, ids, attn, temperature):
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    return token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sequence_logprobs_matches_full_logits_and_grads(tied):
+    model = tiny_lm(tied)
+    ids, attn = padded_batch()
+    upstream = torch.randn(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(3))
+
+    ref = naive_sequence_logprobs(model, ids, attn, 0.8)
+    (ref * upstream).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    out = sequence_logprobs(model, ids, attn, 0.8, chunk_rows=5)
+    (out * upstream).sum().backward()
+
+    assert torch.allclose(out, ref, atol=1e-5)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-5), n
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sequence_logprobs_under_fsdp2_world_size_1(tied):
+    """The registered forward method unshards the root's parameters (embedding, norm, head) and the
+    head's gradient reaches the sharded parameter, tied or not."""
+    from torch.distributed.fsdp import fully_shard
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        plain = tiny_lm(tied)
+        sharded = copy.deepcopy(plain)
+        for layer in sharded.model.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        ids, attn = padded_batch()
+        ref = naive_sequence_logprobs(plain, ids, attn, 1.0)
+        ref.sum().backward()
+        out = sequence_logprobs(sharded, ids, attn, 1.0, chunk_rows=4)
+        out.sum().backward()
+        assert torch.allclose(out, ref, atol=1e-5)
+        ref_grads = dict(plain.named_parameters())
+        for n, p in sharded.named_parameters():
+            assert p.grad is not None, n
+            assert torch.allclose(p.grad.full_tensor(), ref_grads[n].grad, atol=1e-5), n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_policy_update_equals_the_full_logits_update():
+    """The step before the refactor (full logits + token_logprobs, one update) and `policy_update`
+    move the parameters to the same place."""
+    cfg = Config()
+    cfg.generator.temperature = 0.9
+    model = tiny_lm(tied=False)
+    old = copy.deepcopy(model)
+    ids, attn = padded_batch()
+
+    class B:
+        input_ids_BL, attention_mask_BL = ids, attn
+        loss_mask_BT = attn[:, 1:].float()
+        loss_mask_BT[:, :3] = 0  # prompt positions
+        behav_logp_BT = -torch.rand(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(5))
+        adv_B = torch.tensor([1.0, -0.5, 0.3])
+
+    # SGD: the update is linear in the gradient, so equal updates mean equal gradients.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = policy_update(model, opt, B, cfg, loss_scale=0.5)
+
+    opt_old = torch.optim.SGD(old.parameters(), lr=0.1)
+    logp = naive_sequence_logprobs(old, ids, attn, 0.9)
+    a = cfg.algorithm
+    loss, ls = decoupled_ppo_loss(logp, logp.detach(), B.behav_logp_BT, B.adv_B, B.loss_mask_BT, a.clip_low,
+                                  a.clip_high, a.is_cap, a.aggregation)
+    (loss * 0.5).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(old.parameters(), cfg.learner.max_grad_norm)
+    opt_old.step()
+
+    assert abs(stats["loss"] - float(loss.detach())) < 1e-6 and abs(stats["grad_norm"] - float(grad_norm)) < 1e-5
+    assert stats["ess"] == pytest.approx(ls.ess) and stats["is_weight_max"] == pytest.approx(ls.is_weight_max)
+    for (n, p), q in zip(model.named_parameters(), old.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), n
+    assert not torch.allclose(model.lm_head.weight, tiny_lm(tied=False).lm_head.weight)  # it did move
