@@ -95,6 +95,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             hist[int(lag)] = hist.get(int(lag), 0) + int(count)
     if hist:
         a1.bar(list(hist), list(hist.values()))
+        a1.set_xticks(sorted(hist))
     a1.set(xlabel="version lag", ylabel="tokens", title="version lag of trained tokens")
     for key, style in (("lag_mean", "-"), ("lag_max", "--")):
         steps, vals = _series(rows, key)

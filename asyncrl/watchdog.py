@@ -47,6 +47,7 @@ class Watchdog:
         self.expected = set(expected_generators)
         self.seen: dict[str, dict] = {}
         self.learner_started_at: float | None = None
+        self.sync_done_at = 0.0  # the learner's last `sync` / `sync_failed` event
         self.left: set[str] = set()
         self.ready_at: float | None = None  # first time a generator held a policy version
         self.first_traj_at: float | None = None
@@ -64,6 +65,8 @@ class Watchdog:
                 self.left.add(gid)
             elif kind == b"generator_join":
                 self.left.discard(gid)
+            elif kind in (b"sync", b"sync_failed") and not gid:  # the learner's, not a generator's
+                self.sync_done_at = _f(fields.get(b"t"), time.time())
             elif kind == b"learner_start":
                 self.learner_started_at = _f(fields.get(b"t"), time.time())
         live = {}
@@ -101,8 +104,13 @@ class Watchdog:
             if "no such key" not in str(e).lower():
                 raise
         buffer_at = _f(c.hget(k.metrics, "buffer:updated_at"))
+        members: list[str] = []
+        if (frame := c.get(k.wgroup)) is not None:
+            from asyncrl import schema
+
+            members = schema.decode(frame, schema.GroupEpoch).members
         return {"live": live, "last_traj": last_traj, "learner": learner, "last_sync": last_sync,
-                "sync_version": sync_version, "depth": depth, "buffer_at": buffer_at,
+                "sync_version": sync_version, "members": members, "depth": depth, "buffer_at": buffer_at,
                 "version": int(_f(c.get(k.version), 0)), "oldest_age_s": oldest_undelivered_age_s(c, k)}
 
     # ---- judging -------------------------------------------------------------------------------
@@ -141,7 +149,14 @@ class Watchdog:
         if self.first_traj_at is not None and self.learner_started_at is not None:
             since = now - max(learner_at or 0.0, self.first_traj_at, self.learner_started_at)
             if since > timeout:
-                if s["depth"] >= batch:
+                in_sync = s["last_sync"] is not None and s["last_sync"] > max(learner_at or 0.0, self.sync_done_at)
+                if in_sync:
+                    # The announcement precedes the broadcast: a newer one than the last step means
+                    # rank 0 is inside that broadcast, waiting for every member to receive it.
+                    why = (f"inside the weight broadcast of version {s['sync_version']} announced "
+                           f"{now - s['last_sync']:.0f}s ago, waiting for its members {s['members']} "
+                           f"(generators: {states or 'none live'}); it gives up after weights.sync_timeout_s")
+                elif s["depth"] >= batch:
                     why = (f"{s['depth']} groups wait in the buffer (>= learner.batch_groups {batch}, oldest "
                            f"{s['oldest_age_s']:.0f}s) but no step: the learner is stuck in a step, a sync or dead")
                 else:

@@ -143,3 +143,28 @@ def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
     acc.Reload()
     assert [e.value for e in acc.Scalars("lag_mean")] == [0.5, 1.0, 1.5]
     assert [h.histogram_value.num for h in acc.Histograms("lag_hist")] == [5, 6, 7]
+
+
+def test_watchdog_sees_the_learner_stuck_inside_a_weight_broadcast(redis_server):
+    from asyncrl import schema
+
+    cfg = _cfg(redis_server)
+    client, keys = connect(redis_server.url), Keys(cfg.run.name)
+    ensure_groups(client, keys)
+    t = time.time() - 60
+    client.xadd(keys.events, {"kind": "learner_start", "t": f"{t - 30:.3f}"})
+    client.xadd(keys.trajectories, {"data": b"x"}, id=f"{int(t * 1000)}-0")
+    client.hset(keys.learner, mapping={"step": 5, "version": 5, "updated_at": t})
+    client.set(keys.version, 5)
+    client.set(keys.wgroup, schema.encode(schema.GroupEpoch(schema_version=schema.SCHEMA_VERSION, epoch=2,
+                                                            addr="127.0.0.1", port=1, members=["g0.0"],
+                                                            backend="gloo", opened_at=t)))
+    client.set(keys.wsync, schema.encode(schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=5,
+                                                                   epoch=2, buckets=[], announced_at=t + 1)))
+    (stall,) = [s for s in Watchdog(client, keys, cfg).evaluate() if s.role == "learner"]
+    assert stall.what == "no_step" and "inside the weight broadcast of version 5" in stall.reason
+    assert "g0.0" in stall.reason
+    # Once the broadcast finished (its `sync` event), the same state is no longer "inside a broadcast".
+    log_event(client, keys, "sync", version=5, epoch=2)
+    (stall,) = [s for s in Watchdog(client, keys, cfg).evaluate() if s.role == "learner"]
+    assert "inside the weight broadcast" not in stall.reason
