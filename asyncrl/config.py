@@ -29,7 +29,7 @@ class RunConfig:
     dir: str = "runs"  # the run directory is {dir}/{name}
     max_steps: int = 20
     seed: int = 0
-    mode: Literal["async", "sync"] = "async"
+    mode: Literal["async", "sync"] = "async"  # sync: the lockstep baseline (asyncrl/modes.py)
     resume: bool = False  # launcher: keep the run's Redis state (and, with checkpoints, resume the learner)
     # Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off.
     stall_timeout_s: float = 300.0
@@ -64,7 +64,14 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: Literal["copy", "gsm8k", "math"] = "copy"
+    name: Literal["copy", "gsm8k", "math", "exact_match", "format"] = "copy"  # registry: asyncrl/rewards.py
+    # A user function `my_pkg.mod:score`, called score(completion, answer, **row) -> float; replaces `name`.
+    function: str = ""
+    # A Hugging Face sequence-classification model (num_labels=1) scoring prompt+completion, one batch
+    # per group; replaces `name`.
+    model: str = ""
+    model_batch_size: int = 16
+    format_regex: str = r"^\s*\S.*$"  # reward.name=format: 1.0 when the completion matches (re.DOTALL)
     extract: Literal["auto", "hash", "boxed", "last_number"] = "auto"  # math rewards: see math_reward.py
     format_bonus: float = 0.0  # math rewards: score of a well-formatted but wrong answer
     math_verify: bool = True  # math rewards: use math-verify for non-numeric answers when installed
@@ -100,6 +107,7 @@ class GeneratorConfig:
     tensor_parallel_size: int = 1
     kv_cache_gb: float = 1.0  # CPU build only: VLLM_CPU_KVCACHE_SPACE
     cpu_threads: int = 1  # CPU build only: OMP threads per engine
+    drain_timeout_s: float = 120.0  # SIGTERM: in-flight groups not done by then are handed back to the buffer
 
 
 @dataclass
@@ -120,8 +128,23 @@ class BufferConfig:
 
 
 @dataclass
+class MixedPrecisionConfig:
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
 class LearnerConfig:
     nproc: int = 1  # torchrun ranks (FSDP2)
+    param_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state on CPU
+    optimizer_offload: bool = False  # FSDP2 offloads optimizer state only together with parameters
+    reshard_after_forward: bool = True
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder layer
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     lr: float = 5e-4
     weight_decay: float = 0.0
     batch_groups: int = 8  # prompt groups per optimizer step
@@ -133,12 +156,27 @@ class LearnerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "dr_grpo"] = "grpo"
-    loss: Literal["decoupled_ppo"] = "decoupled_ppo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    loss: Literal["decoupled_ppo", "ppo", "tis", "mis", "cispo", "gspo"] = "decoupled_ppo"
     clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_high: float = 0.2  # > clip_low: DAPO clip-higher
+    dual_clip: float = 0.0  # > 1: dual-clip bound on negative-advantage tokens; 0: off
     is_cap: float = 2.0  # C in min(pi_prox / mu, C)
+    is_level: Literal["token", "sequence"] = "token"  # truncated IS weight per token or per sequence
+    mis_low: float = 0.5  # masked IS (loss=mis): tokens with pi/mu outside [low, high] are dropped
+    mis_high: float = 2.0
+    kl_coef: float = 0.0  # KL to the frozen reference (the initial model); 0: no reference is loaded
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"
+    kl_target: float = 0.0  # > 0: adaptive coefficient tracking this KL (PPO controller); 0: fixed
+    kl_horizon: int = 10000
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards have zero variance (counted)
+    overlong_buffer: int = 0  # DAPO overlong shaping: linear penalty over the last N tokens before max_tokens
+    overlong_penalty: float = 1.0
     max_staleness: int = 1  # policy versions a trained token may lag behind the learner
+    # top_p < 1 / top_k > 0 make behaviour log-probs those of the truncated distribution while the learner's
+    # are full-softmax: the off-policy losses then see a biased ratio. Allow it only knowingly.
+    allow_truncated_sampling: bool = False
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
 
 
@@ -176,7 +214,15 @@ class LoggingConfig:
 
 @dataclass
 class DeployConfig:
+    # The interface every server of this run binds (learner weight-group store; the buffer has
+    # buffer.bind_host). Localhost unless a multi-node run names the node's interface (docs/deploy.md).
     bind_host: str = "127.0.0.1"
+    redis_password_file: str = ""  # a file holding the Redis password (never on a command line)
+    run_token_file: str = ""  # a file holding the run token every generator must present
+    curve_keys_dir: str = ""  # `asyncrl keys generate --out DIR`: ZeroMQ CURVE between generators and buffer
+    slurm_partition: str = ""  # `asyncrl submit slurm` defaults; --partition etc. override
+    slurm_time: str = "24:00:00"
+    slurm_extra: list[str] = field(default_factory=list)  # extra `#SBATCH` lines, e.g. ["--account=rl"]
 
 
 @dataclass
@@ -217,6 +263,12 @@ class Config:
             (self.generator.top_k == -1 or self.generator.top_k > 0,
              f"generator.top_k must be -1 (off) or > 0, got {self.generator.top_k}"),
             (self.generator.max_tokens > 0, "generator.max_tokens must be > 0"),
+            ((self.generator.top_p == 1.0 and self.generator.top_k == -1) or self.algorithm.allow_truncated_sampling,
+             f"generator.top_p={self.generator.top_p} / generator.top_k={self.generator.top_k} truncate the sampling "
+             "distribution: behaviour log-probs are then of the truncated, renormalised distribution while the "
+             "learner computes full-softmax log-probs, so every importance ratio pi/mu is biased. Use top_p=1.0 "
+             "and top_k=-1, or set algorithm.allow_truncated_sampling=true to accept the bias"),
+            (not (self.reward.function and self.reward.model), "set reward.function or reward.model, not both"),
             (self.generator.num_generators >= 0, "generator.num_generators must be >= 0"),
             (self.learner.batch_groups > 0, "learner.batch_groups must be > 0"),
             (self.learner.nproc >= 1, "learner.nproc must be >= 1"),
@@ -242,12 +294,24 @@ class Config:
              "(e.g. run `asyncrl data gsm8k --src openai/gsm8k --out data/gsm8k`, then data.path=data/gsm8k/train.parquet)"),
             (self.eval.every >= 0 and self.eval.num_prompts > 0 and self.eval.k >= 0,
              "eval.every must be >= 0, eval.num_prompts > 0 and eval.k >= 0"),
+            (not self.learner.optimizer_offload or self.learner.param_offload,
+             "learner.optimizer_offload=true needs learner.param_offload=true: FSDP2's CPUOffloadPolicy moves "
+             "parameters, gradients and optimizer state together"),
+            (self.algorithm.dual_clip == 0 or self.algorithm.dual_clip > 1,
+             f"algorithm.dual_clip must be 0 (off) or > 1, got {self.algorithm.dual_clip}"),
+            (self.algorithm.mis_low < 1 < self.algorithm.mis_high,
+             "algorithm.mis_low must be < 1 < algorithm.mis_high"),
+            (self.algorithm.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
             (self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
              "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        from asyncrl.modes import config_errors  # run.mode=sync cross-field checks
+
+        for message in config_errors(self):
+            raise ConfigError(message)
         return self
 
 

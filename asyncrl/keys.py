@@ -71,13 +71,33 @@ class Keys:
         return self._k("learner")
 
     @property
+    def sampling(self) -> str:
+        """JSON: the learner's temperature/top_p/top_k, checked by every generator at start (asyncrl/sampling.py)."""
+        return self._k("sampling")
+
+    @property
     def stop(self) -> str:
         return self._k("stop")
+
+    @property
+    def stop_request(self) -> str:
+        """Asks the learner to end the run now as if at run.max_steps (checkpoint, export, stop key)."""
+        return self._k("stop_request")
 
     @property
     def exporters(self) -> str:
         """Hash: role (`buffer`, `learner`, `generator:{id}`) -> its Prometheus /metrics URL."""
         return self._k("exporters")
+
+    @property
+    def scale(self) -> str:
+        """List of scale requests (`+K`/`-K` generators) for the backend that runs the fleet (asyncrl/elastic.py)."""
+        return self._k("scale")
+
+    @property
+    def deploy(self) -> str:
+        """Hash: which backend runs this run (`local`, `slurm`, `ray`) and how to reach it."""
+        return self._k("deploy")
 
     @property
     def lag_history(self) -> str:
@@ -102,12 +122,21 @@ def connect(url: str, retry_s: float = 600.0):
     from asyncrl.retry import RETRYABLE, LoudRetry
 
     _check_url(url)
+    auth = _auth_kwargs()
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=10, retry=None).ping()
+        redis.Redis.from_url(url, socket_connect_timeout=10, retry=None, **auth).ping()
     except RETRYABLE as e:
         raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
     return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=10,
-                                retry=LoudRetry(retry_s), retry_on_error=list(RETRYABLE))
+                                retry=LoudRetry(retry_s), retry_on_error=list(RETRYABLE), **auth)
+
+
+def _auth_kwargs() -> dict:
+    """The password from deploy.redis_password_file (asyncrl/security.py), when one is set."""
+    from asyncrl.security import redis_password
+
+    password = redis_password()
+    return {"password": password} if password else {}
 
 
 async def aconnect(url: str, retry_s: float = 600.0):
@@ -117,7 +146,8 @@ async def aconnect(url: str, retry_s: float = 600.0):
     from asyncrl.retry import RETRYABLE, AsyncLoudRetry
 
     _check_url(url)
-    probe = aioredis.Redis.from_url(url, socket_connect_timeout=10, retry=None)
+    auth = _auth_kwargs()
+    probe = aioredis.Redis.from_url(url, socket_connect_timeout=10, retry=None, **auth)
     try:
         await probe.ping()
     except RETRYABLE as e:
@@ -125,7 +155,7 @@ async def aconnect(url: str, retry_s: float = 600.0):
     finally:
         await probe.aclose()
     return aioredis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=10,
-                                   retry=AsyncLoudRetry(retry_s), retry_on_error=list(RETRYABLE))
+                                   retry=AsyncLoudRetry(retry_s), retry_on_error=list(RETRYABLE), **auth)
 
 
 def log_event(client, keys: Keys, kind: str, **fields) -> None:

@@ -20,8 +20,9 @@ class Batch:
     loss_mask_BT: torch.Tensor
     behav_logp_BT: torch.Tensor
     versions_BT: torch.Tensor
-    adv_B: torch.Tensor
+    adv_B: torch.Tensor  # GRPO advantages (the default); learners/step.py recomputes per algorithm.advantage
     rewards_B: torch.Tensor
+    group_size: int = 0  # samples per group; 0 when groups differ in size
 
     @property
     def num_tokens(self) -> int:
@@ -59,4 +60,5 @@ def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, norm_std: boo
     return Batch(input_ids_BL=input_ids.to(device), attention_mask_BL=attn.to(device),
                  targets_BT=input_ids[:, 1:].to(device), loss_mask_BT=loss_mask.to(device),
                  behav_logp_BT=behav_t.to(device), versions_BT=vers_t.to(device),
-                 adv_B=torch.tensor(advs, device=device), rewards_B=torch.tensor(rewards, device=device))
+                 adv_B=torch.tensor(advs, device=device), rewards_B=torch.tensor(rewards, device=device),
+                 group_size=sizes.pop() if len(sizes := {len(g.samples) for g in groups}) == 1 else 0)

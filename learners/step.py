@@ -3,6 +3,10 @@
 `Learner.train_step` builds the batch and reduces the stats across ranks around `policy_update`;
 `benchmarks/learner_throughput.py` times exactly this function. Under FSDP2 the model's own hooks
 (all-gather, reduce-scatter) and `clip_grad_norm_`'s DTensor reduction still run inside it.
+
+One update, top to bottom: shape rewards (overlong penalty, KL-in-reward) -> advantages
+(algorithm.advantage) -> log-probs under pi_theta (chunked) -> per-token loss (algorithm.loss)
+-> + KL-in-loss -> aggregate -> backward -> clip -> step.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from asyncrl.algorithms import decoupled_ppo_loss
+from asyncrl import advantages as adv_fns
+from asyncrl import losses
+from asyncrl.algorithms import aggregate
 from learners.logprobs import sequence_logprobs
 
 if TYPE_CHECKING:
-    from asyncrl.config import Config
+    from asyncrl.config import AlgorithmConfig, Config
     from learners.batch import Batch
 
 
@@ -27,46 +33,121 @@ def reference_logprobs(ref_model: nn.Module, batch: Batch, temperature: float) -
         return sequence_logprobs(ref_model, batch.input_ids_BL, batch.attention_mask_BL, temperature)
 
 
+def shaped_rewards(batch: Batch, alg: AlgorithmConfig, max_tokens: int, kl_seq_B: torch.Tensor | None,
+                   kl_coef: float) -> torch.Tensor:
+    """Rewards after DAPO overlong shaping and, with kl_in=reward, minus kl_coef * sequence KL."""
+    r_B = batch.rewards_B.to(torch.float32).clone()
+    if alg.overlong_buffer > 0:
+        # Linear penalty over the last `overlong_buffer` tokens before max_tokens (DAPO soft punishment).
+        length_B = batch.loss_mask_BT.sum(dim=1)
+        start = max_tokens - alg.overlong_buffer
+        r_B -= alg.overlong_penalty * ((length_B - start).clamp(min=0) / alg.overlong_buffer).clamp(max=1.0)
+    if kl_seq_B is not None and alg.kl_in == "reward":
+        r_B -= kl_coef * kl_seq_B
+    return r_B
+
+
+def advantages_BT(batch: Batch, rewards_B: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
+    mask = batch.loss_mask_BT
+    n = batch.group_size
+    assert n > 1, "group advantages need equal-sized groups of at least two samples"
+    r_GN = rewards_B.view(-1, n)
+    if alg.advantage in ("grpo", "dr_grpo"):
+        return adv_fns.grpo(r_GN, norm_std=alg.advantage == "grpo").reshape(-1, 1) * mask
+    if alg.advantage == "rloo":
+        return adv_fns.rloo(r_GN).reshape(-1, 1) * mask
+    if alg.advantage == "reinforce_pp":
+        return adv_fns.reinforce_pp(rewards_B, mask)
+    if alg.advantage == "reinforce_pp_baseline":
+        return adv_fns.reinforce_pp_baseline(r_GN, mask)
+    raise AssertionError(alg.advantage)
+
+
+def token_loss(alg: AlgorithmConfig, logp, prox, batch: Batch, adv):
+    """Per-token loss [B, T] and stats for algorithm.loss (see asyncrl/losses.py)."""
+    behav, mask = batch.behav_logp_BT, batch.loss_mask_BT
+    dual = alg.dual_clip or None
+    if alg.loss == "decoupled_ppo":
+        return losses.decoupled_ppo(logp, prox, behav, adv, mask, alg.clip_low, alg.clip_high, alg.is_cap,
+                                    alg.is_level, dual)
+    if alg.loss == "ppo":  # plain PPO: the behaviour policy is the old policy
+        return losses.ppo_clip(logp, behav, adv, mask, alg.clip_low, alg.clip_high, dual)
+    if alg.loss == "tis":
+        return losses.tis_pg(logp, behav, adv, mask, alg.is_cap)
+    if alg.loss == "mis":
+        return losses.mis_pg(logp, behav, adv, mask, alg.mis_low, alg.mis_high)
+    if alg.loss == "cispo":
+        return losses.cispo(logp, behav, adv, mask, alg.clip_low, alg.clip_high)
+    if alg.loss == "gspo":
+        return losses.gspo(logp, prox, adv, mask, alg.clip_low, alg.clip_high)
+    raise AssertionError(alg.loss)
+
+
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Config,
-                  loss_scale: float) -> dict[str, float]:
-    """`learner.ppo_epochs * learner.minibatches` decoupled-PPO updates of `model` on `batch`.
+                  loss_scale: float, ref_logp_BT: torch.Tensor | None = None, kl_coef: float = 0.0,
+                  scheduler=None) -> dict[str, float]:
+    """`learner.ppo_epochs * learner.minibatches` updates of `model` on `batch`.
 
     `loss_scale` multiplies the loss before backward: the rank's share of the global token count, so
     that FSDP's gradient mean over ranks is the exact global token mean. Returns this rank's stats of
-    the first update (loss, ratio / IS-weight stats, grad norm before clipping).
+    the first update (loss, ratio / IS-weight stats, KL, grad norm before clipping).
     """
     alg = cfg.algorithm
     temperature = cfg.generator.temperature
     num_updates = cfg.learner.ppo_epochs * cfg.learner.minibatches
+    mask = batch.loss_mask_BT
 
     def logp_BT() -> torch.Tensor:
         return sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, temperature)
-
-    def loss_of(logp, prox_logp):
-        return decoupled_ppo_loss(logp, prox_logp, batch.behav_logp_BT, batch.adv_B, batch.loss_mask_BT,
-                                  alg.clip_low, alg.clip_high, alg.is_cap, alg.aggregation)
 
     def apply(loss: torch.Tensor) -> torch.Tensor:
         (loss * loss_scale).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
         return grad_norm
 
     model.train()
     prox = None
-    if num_updates > 1:
+    if num_updates > 1 or (ref_logp_BT is not None and alg.kl_in == "reward"):
         with torch.no_grad():
             prox = logp_BT()
+    kl_seq_B = None
+    if ref_logp_BT is not None and alg.kl_in == "reward":
+        kl_seq_B = (losses.kl_estimate(prox, ref_logp_BT, alg.kl_estimator) * mask).sum(dim=1)
+    adv = advantages_BT(batch, shaped_rewards(batch, alg, cfg.generator.max_tokens, kl_seq_B, kl_coef), alg)
+
+    def full_loss(logp, prox_logp):
+        loss_BT, st = token_loss(alg, logp, prox_logp, batch, adv)
+        loss = aggregate(loss_BT, mask, alg.aggregation)
+        if ref_logp_BT is not None:
+            kl_BT = losses.kl_estimate(logp, ref_logp_BT, alg.kl_estimator)
+            st["kl"] = float((kl_BT.detach() * mask).sum() / mask.sum().clamp(min=1))
+            if alg.kl_in == "loss":
+                loss = loss + kl_coef * aggregate(kl_BT, mask, alg.aggregation)
+        return loss, st
+
     logp = logp_BT()
     # With a single update per batch the proximal policy is the current one, exactly.
-    loss, ls = loss_of(logp, logp.detach() if prox is None else prox)
+    loss, st = full_loss(logp, logp.detach() if prox is None else prox)
     grad_norm = apply(loss)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
-    # Further PPO epochs / minibatches re-use `prox`; kept simple here: one pass per update.
     for _ in range(num_updates - 1):
-        apply(loss_of(logp_BT(), prox)[0])
-    return {"loss": float(loss.detach()), "ratio_mean": ls.ratio_mean, "ratio_max": ls.ratio_max,
-            "is_weight_mean": ls.is_weight_mean, "is_weight_max": ls.is_weight_max, "ess": ls.ess,
-            "clip_frac": ls.clip_frac, "is_capped_frac": ls.is_capped_frac, "grad_norm": float(grad_norm)}
+        apply(full_loss(logp_BT(), prox)[0])
+    with torch.no_grad():
+        m = mask.bool()
+        w = torch.exp(logp.detach() - batch.behav_logp_BT)[m]
+        # Monte-Carlo entropy estimate from the sampled tokens (the full distribution is never
+        # materialised): -E[log pi(a)].
+        st.setdefault("entropy", float(-logp.detach()[m].mean()) if m.any() else 0.0)
+        st.setdefault("is_weight_mean", float(w.mean()) if w.numel() else 1.0)
+        st.setdefault("is_weight_max", float(w.max()) if w.numel() else 1.0)
+        st["ess"] = float(w.sum() ** 2 / (w.numel() * (w**2).sum()).clamp(min=1e-12)) if w.numel() else 1.0
+        st["is_capped_frac"] = float((w > alg.is_cap).float().mean()) if w.numel() else 0.0
+        st.setdefault("ratio_mean", 1.0)
+        st.setdefault("ratio_max", 1.0)
+        st["clip_frac"] = st.get("clip_frac", st.get("clip_frac_low", 0.0) + st.get("clip_frac_high", 0.0))
+    return {**{k: float(v) for k, v in st.items()}, "loss": float(loss.detach()), "grad_norm": float(grad_norm)}

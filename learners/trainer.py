@@ -19,7 +19,7 @@ import torch.distributed as dist
 from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
-from asyncrl.store import ensure_groups, group_lag
+from asyncrl.store import ack_dropped, ensure_groups, group_lag
 from asyncrl.weight_sync import SyncTimeout, WeightSender, pack_buckets, plan_buckets, to_dtype
 from learners.batch import build_batch
 from learners.step import policy_update
@@ -57,15 +57,22 @@ class Learner:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         torch.manual_seed(cfg.run.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
-        model.config.use_cache = False
         mesh = init_device_mesh(self.device.type, (self.world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = self._build_model(AutoModelForCausalLM, fully_shard, mesh, trainable=True)
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr,
-                                           weight_decay=cfg.learner.weight_decay)
+        lc = cfg.learner
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay,
+                                           fused=self.cuda and not lc.param_offload)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        from asyncrl.losses import AdaptiveKLController
+
+        alg = cfg.algorithm
+        self.kl_ctl = AdaptiveKLController(alg.kl_coef, alg.kl_target or None, alg.kl_horizon)
+        # The reference is the initial policy, frozen; only loaded when a KL term needs it.
+        self.ref_model = None
+        if alg.kl_coef > 0:
+            self.ref_model = self._build_model(AutoModelForCausalLM, fully_shard, mesh, trainable=False)
+            self.ref_checksum = self._ref_checksum()
         self.pad_id = model.config.pad_token_id or 0
         self.version = 0
         self.step = 0
@@ -76,6 +83,59 @@ class Learner:
         self.resumed_from = self._maybe_resume()
         if self.rank == 0:
             self._init_rank0()
+
+    def _build_model(self, auto_cls, fully_shard, mesh, trainable: bool):
+        """An FSDP2 model with the verl-style switches of `learner.*`; the reference (not trainable)
+        gets the same sharding and precision, no grads, and is never stepped."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        lc = self.cfg.learner
+        model = auto_cls.from_pretrained(self.cfg.model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        if not trainable:
+            model.requires_grad_(False).eval()
+        elif lc.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mp = lc.mixed_precision
+        kwargs = {"mesh": mesh, "reshard_after_forward": lc.reshard_after_forward}
+        if mp.param_dtype != "float32" or mp.reduce_dtype != "float32":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=to_dtype(mp.param_dtype),
+                                                       reduce_dtype=to_dtype(mp.reduce_dtype))
+        if lc.param_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for i, layer in enumerate(model.model.layers):
+            if lc.compile:
+                layer = model.model.layers[i] = torch.compile(layer)
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def _lr_lambda(self, step: int) -> float:
+        lc = self.cfg.learner
+        if lc.warmup_steps and step < lc.warmup_steps:
+            return (step + 1) / lc.warmup_steps
+        if lc.lr_schedule == "cosine":
+            import math
+
+            total = max(self.cfg.run.max_steps * lc.ppo_epochs * lc.minibatches - lc.warmup_steps, 1)
+            progress = min(max(step - lc.warmup_steps, 0) / total, 1.0)
+            return lc.min_lr_ratio + (1 - lc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    def _ref_checksum(self) -> float:
+        """Sum of this rank's reference shards in float64; all-reduced so every rank agrees."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for p in self.ref_model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.detach().double().sum()
+        if self.world > 1:
+            dist.all_reduce(total)
+        return float(total)
+
+    def verify_reference_frozen(self) -> None:
+        """The reference must never change; a silent change would make the KL term meaningless."""
+        if self.ref_model is not None and self._ref_checksum() != self.ref_checksum:
+            raise RuntimeError("the frozen reference model changed during training (checksum mismatch)")
 
     def _maybe_resume(self):
         from learners import checkpoint
@@ -88,6 +148,10 @@ class Learner:
             return None
         meta = checkpoint.load(path, self.model, self.optimizer)
         self.version, self.step = int(meta["version"]), int(meta["step"])
+        if "scheduler" in meta:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        if "kl_ctl" in meta:
+            self.kl_ctl.load(meta["kl_ctl"])
         log.info("resumed from %s: step=%d version=%d", path, self.step, self.version)
         return path
 
@@ -98,7 +162,7 @@ class Learner:
         self.keys = Keys(cfg.run.name)
         self.client = connect(cfg.buffer.redis_url)
         ensure_groups(self.client, self.keys)  # idempotent; the learner may start before the buffer
-        self.client.delete(self.keys.stop)
+        self.client.delete(self.keys.stop, self.keys.stop_request)
         # The version is the checkpoint's (or 0): Redis may hold a later one from before a crash
         # whose update was never persisted.
         epoch0 = 0
@@ -125,6 +189,10 @@ class Learner:
         log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world,
                   resumed_from=self.resumed_from or "")
         self.unacked: list = []
+        self.synced: dict[int, list[int]] = {}  # version -> bucket checksums we broadcast
+        self.verified: set[tuple[str, int]] = set()
+        self.num_weights_verified = self.num_weights_mismatch = 0
+        self.dropped_zero_var = 0
         self._recover_pending()
 
     def _recover_pending(self) -> None:
@@ -162,8 +230,23 @@ class Learner:
         got, dropped = self.reader.read(need, self.version, in_hand=self.pending)
         for _, group in got:
             self.check_sampling(group)
+        if self.cfg.algorithm.dynamic_sampling:
+            # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere
+            # and only dilutes the batch; drop it (acked, counted, given back to the admission budget).
+            flat = [(e, g) for e, g in got if len({s.reward for s in g.samples}) == 1]
+            if flat:
+                ack_dropped(self.client, self.keys, [e for e, _ in flat])
+                self.dropped_zero_var += len(flat)
+                got = [(e, g) for e, g in got if len({s.reward for s in g.samples}) > 1]
         self.pending.extend(got)
         self.dropped_stale += dropped
+
+    def _stop_requested(self) -> bool:
+        """`stop_request` (set by `asyncrl stop` or a test): finish like at max_steps, cleanly."""
+        if time.monotonic() - getattr(self, "_last_stop_check", 0.0) < 1.0:
+            return False
+        self._last_stop_check = time.monotonic()
+        return bool(self.client.exists(self.keys.stop_request))
 
     def check_sampling(self, group: schema.TrajectoryGroup) -> None:
         g = self.cfg.generator
@@ -178,7 +261,7 @@ class Learner:
         """Rank 0 waits for a full batch, interleaving fleet checks so late joiners get weights."""
         need = self.cfg.learner.batch_groups
         while True:
-            if self.step >= self.cfg.run.max_steps:
+            if self.step >= self.cfg.run.max_steps or self._stop_requested():
                 return STOP, b""
             t0 = time.monotonic()
             if len(self.pending) < need:
@@ -210,6 +293,8 @@ class Learner:
                 continue
             groups = [schema.decode(f, schema.TrajectoryGroup) for f in msgspec.msgpack.decode(payload)]
             stats = self.train_step(groups[self.rank::self.world])
+            if self.step % 10 == 0:
+                self.verify_reference_frozen()
             self.version += 1
             self.step += 1
             if self.rank == 0:
@@ -218,6 +303,7 @@ class Learner:
             if self.version % self.cfg.weights.sync_every == 0:
                 sync_s = self.sync_weights()
             if self.rank == 0:
+                self.verify_fleet_weights()
                 self.after_step(groups, stats, sync_s)
                 self.unacked += self.batch_entries
             every = self.cfg.checkpoint.every
@@ -244,18 +330,51 @@ class Learner:
         if self.world > 1:
             dist.all_reduce(ntok)
         share = batch.num_tokens * self.world / max(float(ntok), 1.0)
-        st = policy_update(self.model, self.optimizer, batch, cfg, loss_scale=share)
-        vals = torch.tensor([st["loss"], st["ratio_mean"], st["is_weight_mean"], st["ess"], st["clip_frac"],
-                             st["is_capped_frac"]], device=self.device)
-        maxes = torch.tensor([st["ratio_max"], st["is_weight_max"]], device=self.device)
+        ref_logp = None
+        if self.ref_model is not None:
+            from learners.step import reference_logprobs
+
+            ref_logp = reference_logprobs(self.ref_model, batch, cfg.generator.temperature)
+        st = policy_update(self.model, self.optimizer, batch, cfg, loss_scale=share, ref_logp_BT=ref_logp,
+                           kl_coef=self.kl_ctl.value, scheduler=self.scheduler)
+        # Means across ranks for every statistic, maxima for the *_max ones.
+        names = sorted(k for k in st if k != "grad_norm")
+        means = torch.tensor([st[k] for k in names if not k.endswith("_max")], device=self.device)
+        maxes = torch.tensor([st[k] for k in names if k.endswith("_max")], device=self.device)
         if self.world > 1:
-            dist.all_reduce(vals)
-            vals /= self.world
+            dist.all_reduce(means)
+            means /= self.world
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        return {"loss": float(vals[0]), "ratio_mean": float(vals[1]), "is_weight_mean": float(vals[2]),
-                "ess": float(vals[3]), "clip_frac": float(vals[4]), "is_capped_frac": float(vals[5]),
-                "ratio_max": float(maxes[0]), "is_weight_max": float(maxes[1]), "grad_norm": st["grad_norm"],
-                "tokens": float(ntok), "step_s": time.perf_counter() - t0}
+        out = dict(zip([k for k in names if not k.endswith("_max")], means.tolist(), strict=True))
+        out.update(zip([k for k in names if k.endswith("_max")], maxes.tolist(), strict=True))
+        if "kl" in out:
+            out["kl_coef"] = self.kl_ctl.value
+            out["ref_checksum"] = self.ref_checksum
+            self.kl_ctl.update(out["kl"], len(groups) * self.world)
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        return {**out, "grad_norm": st["grad_norm"], "tokens": float(ntok), "step_s": time.perf_counter() - t0}
+
+    def verify_fleet_weights(self) -> None:
+        """Each generator reports the version it holds and the checksums of the buckets it received;
+        they must equal what we sent for that version. A mismatch is an error event, not silence."""
+        for key in self.client.scan_iter(self.keys.gen_pattern, count=1000):
+            info = self.client.hgetall(key)
+            if not info:
+                continue
+            gid, version = info[b"id"].decode(), int(info.get(b"version", -1))
+            if version not in self.synced or (gid, version) in self.verified:
+                continue
+            got = [int(x) for x in info.get(b"checksums", b"").decode().split(",") if x]
+            self.verified.add((gid, version))
+            if got == self.synced[version]:
+                self.num_weights_verified += 1
+            else:
+                self.num_weights_mismatch += 1
+                log.error("generator %s reports version %d with checksums %s, learner sent %s", gid, version,
+                          got, self.synced[version])
+                self._event("weights_mismatch", id=gid, version=version)
+        for v in [v for v in self.synced if v < self.version - 4]:
+            del self.synced[v]
 
     def _ack(self) -> None:
         if self.rank == 0 and self.unacked:
@@ -266,7 +385,8 @@ class Learner:
         from learners import checkpoint
 
         t0 = time.perf_counter()
-        meta = {"version": self.version, "step": self.step, "time": time.time()}
+        meta = {"version": self.version, "step": self.step, "time": time.time(),
+                "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state()}
         if self.rank == 0:
             meta["cursor"] = {k.decode(): v.decode() for k, v in self.client.hgetall(self.keys.cursor).items()}
         path = checkpoint.save(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, meta,
@@ -306,6 +426,7 @@ class Learner:
         send_dev = self.device
         try:
             self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev))
+            self.synced[self.version] = self.last_checksums
             self.sync_s = time.perf_counter() - t0
             self._event("sync", version=self.version, epoch=self.sender.epoch, seconds=f"{self.sync_s:.4f}",
                         members=len(self.sender.members))
@@ -349,7 +470,8 @@ class Learner:
             "dropped_stale": self.dropped_stale, "num_groups": len(groups),
             "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": stats["tokens"] / max(stats["step_s"], 1e-9),
             "sync_s": sync_s, "buffer_depth": depth, "idle_ratio": self.idle_s / max(elapsed, 1e-9),
-            "num_generators": len(gen_info),
+            "num_generators": len(gen_info), "weights_verified": self.num_weights_verified,
+            "weights_mismatch": self.num_weights_mismatch,
             "generators_in_batch": sorted({g.generator_id for g in groups}),
             **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
             "sample_age_s": time.time() - min(g.created_at for g in groups),

@@ -17,3 +17,38 @@ def make_group(group_id="p0@e0", num_samples=4, num_tokens=3, version=0, reward=
                                   prompt_id=group_id.split("@")[0], generator_id=generator_id,
                                   prompt_ids=schema.pack_i32([13, 14, 83]), samples=samples,
                                   sampling=schema.SamplingInfo(1.0, 1.0, -1), created_at=time.time())
+
+
+class Procs:
+    """Role processes started as a user would, each in its own session, logs in `log_dir`."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+        self.procs = {}
+        self.logs = {}
+
+    def spawn(self, name, argv):
+        import subprocess
+
+        self.logs[name] = open(self.log_dir / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(argv, stdout=self.logs[name], stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        return self.procs[name]
+
+    def log(self, name):
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def kill(self, name, sig=9):
+        from asyncrl.launcher import kill_tree
+
+        kill_tree(self.procs[name].pid, sig)
+        self.procs[name].wait(timeout=60)
+
+    def close(self):
+        from asyncrl.launcher import kill_tree
+
+        for p in self.procs.values():
+            if p.poll() is None:
+                kill_tree(p.pid, 9)
+        for f in self.logs.values():
+            f.close()

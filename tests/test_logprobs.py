@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.algorithms import decoupled_ppo_loss, token_logprobs
+from asyncrl.algorithms import decoupled_ppo_loss, grpo_advantages, token_logprobs
 from asyncrl.config import Config
 from asyncrl.tiny_model import tiny_config
 from learners.logprobs import linear_logprobs, sequence_logprobs
@@ -147,7 +147,9 @@ def test_policy_update_equals_the_full_logits_update():
         loss_mask_BT = attn[:, 1:].float()
         loss_mask_BT[:, :3] = 0  # prompt positions
         behav_logp_BT = -torch.rand(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(5))
-        adv_B = torch.tensor([1.0, -0.5, 0.3])
+        rewards_B = torch.tensor([1.0, 0.0, 0.5])
+        group_size = 3
+        adv_B = grpo_advantages(rewards_B[None, :])[0]
 
     # SGD: the update is linear in the gradient, so equal updates mean equal gradients.
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -72,3 +72,42 @@ def test_group_forms_without_a_dead_member_and_transfers_buckets():
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
+
+
+def _dies_mid_transfer(member_id, epochs, anns, up):
+    import os
+
+    recv = WeightReceiver(member_id)
+    up.put(member_id)
+    while not recv.join(epochs.get(timeout=60), timeout_s=20):
+        pass
+    ann = anns.get(timeout=60)
+    for i, _ in enumerate(recv.receive(ann, torch.device("cpu"), timeout_s=20)):
+        if i == 1:  # first bucket received: now die like kill -9 would
+            os._exit(9)
+
+
+def test_a_member_dying_mid_transfer_fails_the_broadcast_within_the_timeout():
+    from asyncrl.weight_sync import SyncTimeout
+
+    ctx = mp.get_context("spawn")
+    epochs, anns, up = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_dies_mid_transfer, args=("g0", epochs, anns, up))
+    p.start()
+    up.get(timeout=60)
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=10, sync_timeout_s=5)
+    assert sender.open_epoch(["g0"], epochs.put, lambda *a, **k: None) == ["g0"]
+    big = {f"t{i}": torch.randn(256, 256) for i in range(8)}
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in big.items()], bucket_bytes=256 * 1024)
+    anns.put(WeightAnnouncement(schema_version=SCHEMA_VERSION, version=1, epoch=sender.epoch, buckets=buckets,
+                                announced_at=time.time()))
+    t0 = time.monotonic()
+    try:
+        sender.broadcast(buckets, pack_buckets(buckets, iter(big.items()), torch.device("cpu")))
+        raised = None
+    except (SyncTimeout, RuntimeError) as e:
+        raised = e
+    assert raised is not None, "a dead member must fail the broadcast, not hang it"
+    assert time.monotonic() - t0 < 5 + 10
+    p.join(timeout=30)
+    assert p.exitcode == 9
