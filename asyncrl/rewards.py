@@ -1,16 +1,50 @@
-"""Reward functions by name. Each takes (completion text, reference answer) and returns a float."""
+"""Rewards: rule-based ones by name, a user function by dotted path, or a reward model.
+
+Each reward takes (completion text, reference answer) and returns a float. `reward.function=pkg.mod:fn`
+loads a user function called as fn(completion, answer, **row) (row: prompt, prompt_id, group_id);
+`reward.model=PATH` scores prompt+completion with a Hugging Face sequence-classification model, one
+batch per group (asyncrl/reward_model.py). `score_group` is what the generator calls: it catches every
+error per sample, so a broken reward costs that sample's score (0.0, counted and logged), never the
+generator.
+"""
 
 from __future__ import annotations
 
+import importlib
+import logging
+import re
 from collections.abc import Callable
 
 from asyncrl.math_reward import MathReward, gsm8k_reward
 from asyncrl.tasks import copy_reward
 
+log = logging.getLogger(__name__)
+
 RewardFn = Callable[[str, str], float]
+
+
+
+def exact_match_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion equals the answer after stripping surrounding whitespace."""
+    return float(completion.strip() == answer.strip())
+
+
+class FormatReward:
+    """1.0 when the whole completion matches `pattern` (re.DOTALL), else 0.0."""
+
+    def __init__(self, pattern: str):
+        try:
+            self.regex = re.compile(pattern, re.DOTALL)
+        except re.error as e:
+            raise ValueError(f"reward.format_regex={pattern!r} is not a valid regular expression: {e}") from e
+
+    def __call__(self, completion: str, answer: str) -> float:
+        return float(self.regex.fullmatch(completion) is not None)
+
 
 REGISTRY: dict[str, RewardFn] = {
     "copy": copy_reward,
+    "exact_match": exact_match_reward,
     "gsm8k": gsm8k_reward,
     "math": gsm8k_reward,
 }
@@ -25,6 +59,14 @@ def get_reward(name: str) -> RewardFn:
 
 def build_reward(reward_cfg) -> RewardFn:
     """The reward `reward.*` names, with its options (extraction mode, format bonus) applied."""
+    if reward_cfg.function:
+        return UserReward(reward_cfg.function)
+    if reward_cfg.model:
+        from asyncrl.reward_model import RewardModel
+
+        return RewardModel(reward_cfg.model, batch_size=reward_cfg.model_batch_size)
+    if reward_cfg.name == "format":
+        return FormatReward(reward_cfg.format_regex)
     if reward_cfg.name in MATH_REWARDS:
         return MathReward(extract=reward_cfg.extract, format_bonus=reward_cfg.format_bonus,
                           use_math_verify=reward_cfg.math_verify)
@@ -36,3 +78,48 @@ def is_correct(reward_fn: RewardFn, completion: str, answer: str) -> bool:
     if hasattr(reward_fn, "correct"):
         return bool(reward_fn.correct(completion, answer))
     return float(reward_fn(completion, answer)) >= 1.0 - 1e-6
+
+
+class UserReward:
+    """`reward.function=pkg.mod:fn`: fn(completion, answer, **row) -> float, imported at start."""
+
+    def __init__(self, dotted: str):
+        module_name, _, attr = dotted.partition(":")
+        if not module_name or not attr:
+            raise ValueError(f"reward.function={dotted!r} must look like my_pkg.module:function")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"reward.function={dotted!r}: cannot import {module_name!r} ({e}); is it on "
+                             "PYTHONPATH in every generator process?") from e
+        self.fn = getattr(module, attr, None)
+        if not callable(self.fn):
+            raise ValueError(f"reward.function={dotted!r}: {module_name} has no function {attr!r}")
+        self.name = dotted
+
+    def __call__(self, completion: str, answer: str, **row) -> float:
+        return float(self.fn(completion, answer, **row))
+
+
+def score_group(reward_fn: RewardFn, completions: list[str], answer: str, row: dict) -> tuple[list[float], int]:
+    """Scores one group; returns (rewards, number of samples whose reward raised, scored 0.0).
+
+    A batched reward (one with `score_batch`, e.g. the reward model) scores the group at once; if the
+    batch fails, each sample is scored alone so one bad sample cannot zero the others.
+    """
+    group_id = row.get("group_id", "?")
+    if hasattr(reward_fn, "score_batch"):
+        try:
+            return [float(r) for r in reward_fn.score_batch(completions, answer, **row)], 0
+        except Exception as e:  # fall back to one by one, counting per sample
+            log.warning("batched reward failed on group=%s: %r; scoring samples one by one", group_id, e)
+    takes_row = isinstance(reward_fn, UserReward) or hasattr(reward_fn, "score_batch")
+    rewards, errors = [], 0
+    for i, text in enumerate(completions):
+        try:
+            rewards.append(float(reward_fn(text, answer, **row) if takes_row else reward_fn(text, answer)))
+        except Exception as e:  # a user reward must never take the generator down
+            errors += 1
+            rewards.append(0.0)
+            log.warning("reward error on group=%s sample=%d: %r", group_id, i, e)
+    return rewards, errors

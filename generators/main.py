@@ -19,7 +19,9 @@ from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.data import encode_prompt
 from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
-from asyncrl.rewards import build_reward
+from asyncrl.rewards import build_reward, score_group
+from asyncrl.sampling import heartbeat_fields
+from generators.drain import hand_back
 from generators.evaluation import EvalWorker
 from generators.outbox import GroupOutbox
 
@@ -44,6 +46,8 @@ class Generator:
         self.reward_errors = 0
         self.idle_s = 0.0
         self.sync_s_total = 0.0
+        self.last_pause_s = 0.0
+        self.num_syncs = 0
         self.started = time.monotonic()
         self._rate_mark, self._rate = (self.started, 0), 0.0
         self.last_checksums: list[int] = []
@@ -57,11 +61,14 @@ class Generator:
 
         # Retries a lost Redis (restart) with backoff for buffer.redis_retry_s: every loop below rides it out.
         self.redis = await aconnect(self.cfg.buffer.redis_url, retry_s=self.cfg.buffer.redis_retry_s)
+        from asyncrl import sampling
+
+        await sampling.check_generator(self.redis, self.keys, self.cfg.generator, self.id)  # before the engine
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
         if self.engine is None:
-            from generators.vllm_engine import VllmEngine
+            from generators.engines import build_engine
 
-            self.engine = VllmEngine(self.cfg, self.cfg.model_path)
+            self.engine = build_engine(self.cfg)
         # Weights on disk are version 0; they are current only while the learner is still at 0.
         learner_version = int(await self.redis.get(self.keys.version) or 0)
         wsync = await self.redis.get(self.keys.wsync)
@@ -104,6 +111,7 @@ class Generator:
             "workers": self.engine.num_workers, "tokens": self.tokens, "groups": self.groups,
             "tokens_per_s": self._rate, "idle_ratio": self.idle_s / elapsed,
             "reward_errors": self.reward_errors, "sync_s_total": self.sync_s_total,
+            "last_pause_s": self.last_pause_s, "num_syncs": self.num_syncs, **heartbeat_fields(self.cfg.generator),
             "checksums": ",".join(map(str, self.last_checksums)), "pid": os.getpid(),
             "host": socket.gethostname(), "updated_at": time.time(),
         }
@@ -158,6 +166,10 @@ class Generator:
         self.version = ann.version
         self.last_checksums = stats["checksums"]
         self.sync_s_total += stats["pause_s"]
+        self.last_pause_s, self.num_syncs = stats["pause_s"], self.num_syncs + 1
+        await self.redis.xadd(self.keys.events, {"kind": "generator_sync", "id": self.id, "version": ann.version,
+                                                 "mode": w.mode, "pause_s": f"{stats['pause_s']:.4f}",
+                                                 "t": f"{time.time():.3f}"}, maxlen=10_000, approximate=True)
         self.state = prev if prev in ("draining", "generating") else "generating"
         await self.heartbeat()
         log.info("generator %s now at version %d (pause %.3fs)", self.id, self.version, stats["pause_s"])
@@ -168,15 +180,12 @@ class Generator:
     async def process(self, entry_id: bytes, task: schema.PromptTask) -> None:
         prompt_ids = encode_prompt(self.tokenizer, task.prompt, self.cfg.data.chat_template)
         outs = await self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
-        samples, errors = [], 0
-        for out in outs:
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            try:
-                reward = float(self.reward_fn(text, task.answer))
-            except Exception as e:  # a user reward function must never take the generator down
-                errors += 1
-                reward = 0.0
-                log.warning("reward error on group=%s: %r", task.group_id, e)
+        texts = [self.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs]
+        # Errors are caught per sample (asyncrl/rewards.py), counted and logged with the group id.
+        rewards, errors = score_group(self.reward_fn, texts, task.answer, {
+            "prompt": task.prompt, "prompt_id": task.prompt_id, "group_id": task.group_id})
+        samples = []
+        for out, reward in zip(outs, rewards, strict=True):
             samples.append(schema.Sample(completion_ids=schema.pack_i32(out.token_ids),
                                          logprobs=schema.pack_f32(out.logprobs),
                                          versions=schema.pack_i32(out.versions), reward=reward,
@@ -254,7 +263,9 @@ class Generator:
             self.state = "draining"
             await self.heartbeat()
             if self.inflight:
-                await asyncio.wait(self.inflight, timeout=120)
+                await asyncio.wait(self.inflight, timeout=self.cfg.generator.drain_timeout_s)
+            if self.inflight:  # not done in time: hand their prompts back (generators/drain.py)
+                await hand_back(self)
             if not await self.outbox.drain(timeout_s=60):
                 log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
                             self.id, len(self.outbox))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -63,27 +64,34 @@ class VllmEngine:
         self.num_workers = g.tensor_parallel_size
         log.info("vLLM engine up in %.1fs (model=%s, cpu=%s)", time.perf_counter() - t0, model_path, on_cpu)
         self.cfg = cfg
+        self.loaded_version: int | None = None  # None: the weights on disk (the generator's version applies)
+        self.num_resubmitted = 0  # weights.mode=abort: partial sequences continued after an update
+        self._resumed = asyncio.Event()  # cleared during an abort-mode update
+        self._resumed.set()
 
-    def sampling_params(self, n: int, temperature: float | None = None):
+    def sampling_params(self, n: int, temperature: float | None = None, max_tokens: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         g = self.cfg.generator
         temperature = g.temperature if temperature is None else temperature  # 0.0: greedy (evaluation)
         return SamplingParams(n=n, temperature=temperature, top_p=g.top_p, top_k=max(g.top_k, 0),
-                              max_tokens=g.max_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA)
+                              max_tokens=g.max_tokens if max_tokens is None else max_tokens, logprobs=0,
+                              output_kind=RequestOutputKind.DELTA)
 
-    async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
-                             temperature: float | None = None) -> list[SampleOut]:
-        """Samples `n` completions; each token is stamped with the policy version held when it arrived."""
+    def _stamp(self, version: Callable[[], int]) -> int:
+        # The version of the weights loaded in the engine once it has taken an update: exact even for
+        # tokens that arrive between resume_generation() and the generator raising its own version.
+        return self.loaded_version if self.loaded_version is not None else version()
+
+    async def _stream(self, prompt_ids: list[int], params, version: Callable[[], int],
+                      samples: list[SampleOut]) -> None:
+        """Runs one request; child `c.index` appends to samples[c.index]."""
         from vllm.inputs import TokensPrompt
 
-        samples = [SampleOut() for _ in range(n)]
-        request_id = uuid.uuid4().hex
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids),
-                                              self.sampling_params(n, temperature),
-                                              request_id=request_id):
-            v = version()
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                              request_id=uuid.uuid4().hex):
+            v = self._stamp(version)
             for c in out.outputs:
                 s = samples[c.index]
                 for tid, lp in zip(c.token_ids, c.logprobs or [], strict=True):
@@ -92,6 +100,31 @@ class VllmEngine:
                     s.versions.append(v)
                 if c.finish_reason:
                     s.finish_reason = c.finish_reason
+
+    async def _resubmit(self, prompt_ids: list[int], s: SampleOut, version: Callable[[], int],
+                        temperature: float | None, max_tokens: int) -> None:
+        """weights.mode=abort: continues a sequence cut off by an update, its tokens so far as the prompt.
+
+        The tokens already generated keep their behaviour log-probs and versions; the continuation is
+        sampled (and stamped) under the new weights, and the sample is the two parts concatenated.
+        """
+        remaining = max_tokens - len(s.token_ids)
+        if remaining <= 0:
+            s.finish_reason = "length"
+            return
+        s.finish_reason = ""
+        self.num_resubmitted += 1
+        await self._stream(prompt_ids + s.token_ids, self.sampling_params(1, temperature, remaining), version, [s])
+
+    async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
+                             temperature: float | None = None) -> list[SampleOut]:
+        """Samples `n` completions; each token is stamped with the policy version it was sampled under."""
+        samples = [SampleOut() for _ in range(n)]
+        await self._stream(prompt_ids, self.sampling_params(n, temperature), version, samples)
+        max_tokens = self.cfg.generator.max_tokens
+        while todo := [s for s in samples if s.finish_reason == "abort"]:
+            await self._resumed.wait()  # resubmitting during the update would only be aborted again
+            await asyncio.gather(*(self._resubmit(prompt_ids, s, version, temperature, max_tokens) for s in todo))
         return samples
 
     async def join(self, epoch_frame: bytes, generator_id: str, timeout_s: float) -> bool:
@@ -99,15 +132,27 @@ class VllmEngine:
         return all(results)
 
     async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> dict:
-        """Pauses (keep: in-flight sequences continue afterwards under the new weights; drain: they
-        finish first), receives and loads the weights in every worker, resumes. Returns timings."""
+        """Pauses, receives and loads the weights in every worker, resumes. Returns timings.
+
+        keep: in-flight sequences are frozen and continue afterwards under the new weights (their KV
+        cache from the old ones); abort: they are aborted and `generate_group` resubmits each with its
+        tokens so far (re-prefilled under the new weights); drain: they finish first (vLLM's "wait").
+        """
+        from asyncrl import schema
+
+        version = schema.decode(announcement_frame, schema.WeightAnnouncement).version
         t0 = time.perf_counter()
-        await self.engine.pause_generation(mode="keep" if mode == "keep" else "wait", clear_cache=True)
+        if mode == "abort":
+            self._resumed.clear()
+        await self.engine.pause_generation(mode={"keep": "keep", "abort": "abort", "drain": "wait"}[mode],
+                                           clear_cache=True)
         t_paused = time.perf_counter()
         try:
             results = await self.engine.collective_rpc("asyncrl_receive", args=(announcement_frame, timeout_s))
+            self.loaded_version = version
         finally:
             await self.engine.resume_generation()
+            self._resumed.set()
         t1 = time.perf_counter()
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": max(r["seconds"] for r in results),
                 "checksums": results[0]["checksums"]}

@@ -163,6 +163,11 @@ class Learner:
         self.client = connect(cfg.buffer.redis_url)
         ensure_groups(self.client, self.keys)  # idempotent; the learner may start before the buffer
         self.client.delete(self.keys.stop, self.keys.stop_request)
+        from asyncrl import sampling
+
+        # Refuse to start next to generators that sample differently; publish ours for late ones.
+        sampling.check_fleet(self.client, self.keys, cfg.generator)
+        sampling.publish(self.client, self.keys, cfg.generator)
         # The version is the checkpoint's (or 0): Redis may hold a later one from before a crash
         # whose update was never persisted.
         epoch0 = 0
