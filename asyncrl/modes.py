@@ -1,0 +1,56 @@
+"""`run.mode`: how generation and training are coupled. Rules shared by the buffer and the generators.
+
+- `async` (default): generators keep sampling while the learner trains; staleness is bounded by the
+  admission rule with `algorithm.max_staleness`, in-flight sequences continue across weight updates.
+- `sync`: the same processes in lockstep, the baseline every async comparison is measured against.
+  The buffer releases exactly `learner.batch_groups` prompts per learner version (admission with
+  staleness 0), and a generator starts a group only while the version it holds equals the learner's
+  current version (the Redis `version` key). Every released group belongs to the current version's
+  batch, so the learner cannot step before all of them are in, and no token is ever stale (lag 0):
+  the learner waits for each batch, the generators wait for each weight sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+
+log = logging.getLogger(__name__)
+
+_said_ignored = False
+
+
+def admission_staleness(cfg: Config) -> int:
+    """The staleness bound the buffer's admission rule uses: 0 in sync mode, else algorithm.max_staleness."""
+    global _said_ignored
+    if cfg.run.mode != "sync":
+        return cfg.algorithm.max_staleness
+    if cfg.algorithm.max_staleness != 0 and not _said_ignored:
+        _said_ignored = True
+        log.info("run.mode=sync: admission uses staleness 0; algorithm.max_staleness=%d is ignored for admission",
+                 cfg.algorithm.max_staleness)
+    return 0
+
+
+def may_generate(mode: str, held_version: int, learner_version: int) -> bool:
+    """Whether a generator holding `held_version` may start a group now (sync: only with current weights)."""
+    if held_version < 0:
+        return False
+    return mode != "sync" or held_version == learner_version
+
+
+def config_errors(cfg: Config) -> list[str]:
+    """Cross-field checks of run.mode=sync (each message names the dotted path and the fix)."""
+    if cfg.run.mode != "sync":
+        return []
+    errors = []
+    if cfg.weights.sync_every != 1:
+        errors.append(f"run.mode=sync needs weights.sync_every=1 (generators wait for the weights of every "
+                      f"version), got {cfg.weights.sync_every}")
+    if cfg.buffer.sampling == "replay":
+        errors.append("run.mode=sync trains each group once with the weights that sampled it: set "
+                      "buffer.sampling=fifo (replay would reuse groups of older versions)")
+    return errors
