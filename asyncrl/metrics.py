@@ -168,7 +168,7 @@ def fleet_metrics(client, keys) -> dict[str, float]:
     idle = []
     for info in generator_infos(client, keys):
         gid = info.get("id", "?")
-        for field in ("version", "tokens_per_s", "idle_ratio", "tokens", "groups", "sync_s_total"):
+        for field in ("version", "tokens_per_s", "idle_ratio", "idle_s", "tokens", "groups", "sync_s_total"):
             if (v := _num(info.get(field))) is not None:
                 row[f"gen/{gid}/{field}"] = v
         if (v := _num(info.get("idle_ratio"))) is not None:

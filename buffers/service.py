@@ -20,6 +20,7 @@ import zmq
 from asyncrl import schema, store
 from asyncrl.config import Config
 from asyncrl.keys import PROMPT_GROUP, Keys, connect, log_event
+from asyncrl.modes import admission_staleness
 from asyncrl.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
 from asyncrl.tasks import PromptRecord, copy_dataset, iter_epochs
 
@@ -185,7 +186,8 @@ class BufferService:
         version = int(self.client.get(self.keys.version) or 0)
         dropped = int(self.client.hget(self.keys.learner, "dropped_groups") or 0)
         cursor = {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.cursor).items()}
-        budget = admission_budget(version, self.cfg.algorithm.max_staleness, self.cfg.learner.batch_groups, dropped)
+        # run.mode=sync: staleness 0, exactly learner.batch_groups prompts per version (asyncrl/modes.py).
+        budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
         backlog = group_lag(self.client, self.keys.prompts, PROMPT_GROUP)
         num = min(budget - cursor["released"], self.cfg.buffer.prompt_backlog - backlog)
         if num <= 0:

@@ -19,6 +19,7 @@ from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.data import encode_prompt
 from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
+from asyncrl.modes import may_generate
 from asyncrl.rewards import build_reward, score_group
 from asyncrl.sampling import heartbeat_fields
 from generators.drain import hand_back
@@ -109,7 +110,7 @@ class Generator:
         fields = {
             "id": self.id, "state": self.state, "version": self.version, "epoch": self.epoch,
             "workers": self.engine.num_workers, "tokens": self.tokens, "groups": self.groups,
-            "tokens_per_s": self._rate, "idle_ratio": self.idle_s / elapsed,
+            "tokens_per_s": self._rate, "idle_ratio": self.idle_s / elapsed, "idle_s": round(self.idle_s, 3),
             "reward_errors": self.reward_errors, "sync_s_total": self.sync_s_total,
             "last_pause_s": self.last_pause_s, "num_syncs": self.num_syncs, **heartbeat_fields(self.cfg.generator),
             "checksums": ",".join(map(str, self.last_checksums)), "pid": os.getpid(),
@@ -178,6 +179,9 @@ class Generator:
     # ---- generation ----------------------------------------------------------------------------
 
     async def process(self, entry_id: bytes, task: schema.PromptTask) -> None:
+        # run.mode=sync: a prompt leased just before the learner's version moved waits for its weights.
+        while self.cfg.run.mode == "sync" and not may_generate("sync", self.version, await self._learner_version()):
+            await asyncio.sleep(0.02)
         prompt_ids = encode_prompt(self.tokenizer, task.prompt, self.cfg.data.chat_template)
         outs = await self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
         texts = [self.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs]
@@ -218,6 +222,8 @@ class Generator:
                 await asyncio.sleep(0.1)
                 self.idle_s += 0.1
                 continue
+            if self.cfg.run.mode == "sync" and not await self._lockstep_turn():
+                continue
             if self.state != "syncing":
                 self.state = "generating"
             free = cap - len(self.inflight) - len(self.outbox)  # held groups count: a full buffer stops leasing
@@ -243,6 +249,20 @@ class Generator:
                 t = asyncio.create_task(self.process(entry_id, task))
                 self.inflight.add(t)
                 t.add_done_callback(self._done)
+
+    async def _learner_version(self) -> int:
+        return int(await self.redis.get(self.keys.version) or 0)
+
+    async def _lockstep_turn(self) -> bool:
+        """run.mode=sync: lease only while holding the learner's current version (asyncrl/modes.py)."""
+        if may_generate("sync", self.version, await self._learner_version()):
+            return True
+        t0 = time.monotonic()
+        self.state = "waiting_weights"
+        await asyncio.sleep(0.02)
+        if not self.inflight:
+            self.idle_s += time.monotonic() - t0
+        return False
 
     async def stop_watch(self) -> None:
         while not self.stopping.is_set():
