@@ -118,7 +118,7 @@ class Launcher:
               flush=True)
         from asyncrl.watchdog import launcher_watchdog
 
-        watchdog = launcher_watchdog(cfg, client, keys)  # None when run.stall_timeout_s is 0
+        watchdog = launcher_watchdog(cfg, keys)  # None when run.stall_timeout_s is 0
         while True:
             if self._interrupted:
                 return 130

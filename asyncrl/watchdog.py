@@ -202,17 +202,35 @@ class Watchdog:
 class LauncherWatchdog:
     """The launcher's use of the watchdog: at most one check a second; events and loud lines."""
 
-    def __init__(self, cfg: Config, client, keys: Keys, expected_generators: tuple[str, ...]):
+    def __init__(self, cfg: Config, keys: Keys, expected_generators: tuple[str, ...]):
+        from asyncrl.keys import connect
+
         self.cfg = cfg
+        # Its own client, retrying for a second only: the supervise loop must not block on a Redis
+        # outage (the roles ride those out with their own long retries).
+        client = connect(cfg.buffer.redis_url, retry_s=1.0)
         self.watchdog = Watchdog(client, keys, cfg, expected_generators)
         self.client, self.keys = client, keys
         self._next = 0.0
+        self._redis_down = False
 
     def poll(self) -> list[Stall]:
         if time.monotonic() < self._next:
             return []
         self._next = time.monotonic() + 1.0
-        stalls = self.watchdog.check()
+        import redis
+
+        try:
+            stalls = self.watchdog.check()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            # Redis down (restarting) is not the run's stall; the roles have their own retries.
+            if not self._redis_down:
+                log.warning("watchdog: cannot read Redis (%s); retrying every second", e)
+            self._redis_down = True
+            return []
+        if self._redis_down:
+            log.info("watchdog: Redis reachable again")
+        self._redis_down = False
         for st in stalls:
             log.error("%s", st.line())
             print(f"asyncrl run: {st.line()}", flush=True)
@@ -221,7 +239,7 @@ class LauncherWatchdog:
         return stalls
 
 
-def launcher_watchdog(cfg: Config, client, keys: Keys) -> LauncherWatchdog | None:
+def launcher_watchdog(cfg: Config, keys: Keys) -> LauncherWatchdog | None:
     if cfg.run.stall_timeout_s <= 0:
         return None
-    return LauncherWatchdog(cfg, client, keys, tuple(f"g{i}" for i in range(cfg.generator.num_generators)))
+    return LauncherWatchdog(cfg, keys, tuple(f"g{i}" for i in range(cfg.generator.num_generators)))

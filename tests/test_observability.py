@@ -168,3 +168,23 @@ def test_watchdog_sees_the_learner_stuck_inside_a_weight_broadcast(redis_server)
     log_event(client, keys, "sync", version=5, epoch=2)
     (stall,) = [s for s in Watchdog(client, keys, cfg).evaluate() if s.role == "learner"]
     assert "inside the weight broadcast" not in stall.reason
+
+
+def test_launcher_watchdog_rides_out_a_redis_outage(tmp_path):
+    from asyncrl.redis_server import LocalRedis
+    from asyncrl.watchdog import LauncherWatchdog
+
+    server = LocalRedis(tmp_path / "r").start()
+    cfg = _cfg(server)
+    client, keys = connect(server.url), Keys(cfg.run.name)
+    ensure_groups(client, keys)
+    client.hset(keys.gen("g0"), mapping={"id": "g0", "state": "generating", "version": 0,
+                                         "updated_at": time.time() - 60})
+    wd = LauncherWatchdog(cfg, keys, ("g0",))
+    (stall,) = wd.poll()
+    assert stall.role == "generator:g0"
+    events = [f for _i, f in client.xrange(keys.events) if f[b"kind"] == b"stall"]
+    assert events and events[0][b"role"] == b"generator:g0"
+    server.stop()
+    wd._next = 0.0
+    assert wd.poll() == [] and wd._redis_down
