@@ -178,6 +178,7 @@ class WeightReceiver:
 
     def __init__(self, member_id: str):
         self.member_id = member_id
+        self.backend = "gloo"
         self.epoch = -1
         self.pg = None
         self._store = None
@@ -199,12 +200,15 @@ class WeightReceiver:
             torch.cuda.set_device(torch.cuda.current_device())
         self.pg = new_group(dist.PrefixStore("pg", ps), rank, len(info.members) + 1, info.backend, timeout_s)
         self.epoch = info.epoch
+        self.backend = info.backend
         return True
 
     def receive(self, ann: WeightAnnouncement, device: torch.device, timeout_s: float,
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (name, tensor) views into each received bucket, bucket by bucket."""
         assert self.pg is not None and ann.epoch == self.epoch, "receive outside the announced epoch"
+        if self.backend == "gloo":
+            device = torch.device("cpu")  # gloo moves host memory; the loader copies to the GPU
         self.checksums = []
         for bucket in ann.buckets:
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)

@@ -219,8 +219,22 @@ class Learner:
             if not info or info.get(b"state") in (b"draining",):
                 continue
             gid = info[b"id"].decode()
+            if not self._token_ok(gid, info.get(b"token_proof")):  # deploy.run_token_file (asyncrl/security.py)
+                continue
             members += [f"{gid}.{r}" for r in range(int(info.get(b"workers", 1)))]
         return sorted(members)
+
+    def _token_ok(self, gid: str, proof) -> bool:
+        from asyncrl.security import proof_ok, run_token
+
+        if proof_ok(run_token(self.cfg), gid, proof):
+            return True
+        refused = self.__dict__.setdefault("_refused_generators", set())  # warn once per generator
+        if gid not in refused:
+            refused.add(gid)
+            log.warning("generator %s presents no valid run token: ignored (not in any weight group)", gid)
+            log_event(self.client, self.keys, "auth_refused", id=gid)
+        return False
 
     def fleet_needs_sync(self) -> bool:
         return set(self.live_members()) != set(self.sender.members)
@@ -340,11 +354,13 @@ class Learner:
             from learners.step import reference_logprobs
 
             ref_logp = reference_logprobs(self.ref_model, batch, cfg.generator.temperature)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step's (first) update uses
         st = policy_update(self.model, self.optimizer, batch, cfg, loss_scale=share, ref_logp_BT=ref_logp,
                            kl_coef=self.kl_ctl.value, scheduler=self.scheduler)
-        # Means across ranks for every statistic, maxima for the *_max ones.
+        # Token-weighted means across ranks (each rank's stat times its token share), maxima for *_max:
+        # the same numbers a single rank would report for the whole batch.
         names = sorted(k for k in st if k != "grad_norm")
-        means = torch.tensor([st[k] for k in names if not k.endswith("_max")], device=self.device)
+        means = torch.tensor([st[k] * share for k in names if not k.endswith("_max")], device=self.device)
         maxes = torch.tensor([st[k] for k in names if k.endswith("_max")], device=self.device)
         if self.world > 1:
             dist.all_reduce(means)
@@ -356,7 +372,7 @@ class Learner:
             out["kl_coef"] = self.kl_ctl.value
             out["ref_checksum"] = self.ref_checksum
             self.kl_ctl.update(out["kl"], len(groups) * self.world)
-        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        out["lr"] = lr
         return {**out, "grad_norm": st["grad_norm"], "tokens": float(ntok), "step_s": time.perf_counter() - t0}
 
     def verify_fleet_weights(self) -> None:
