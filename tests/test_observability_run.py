@@ -212,7 +212,7 @@ def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, 
 
 @pytest.mark.slow
 def test_frozen_generator_is_reported_as_stalled_and_fails_the_run(tmp_path, tiny_model):
-    timeout_s = 12.0
+    timeout_s = 20.0
     run_dir = tmp_path / "runs" / "stall"
     log = tmp_path / "launcher.log"
     argv = [sys.executable, "-m", "asyncrl", "run", f"run.dir={tmp_path / 'runs'}", "run.name=stall",
