@@ -41,6 +41,9 @@ def _load(args):
         print(dump_yaml(cfg), end="")
         raise SystemExit(0)
     _setup_logging(cfg.logging.level)
+    from asyncrl.security import set_redis_password_file
+
+    set_redis_password_file(cfg.deploy.redis_password_file)  # every connect() of this process uses it
     return cfg
 
 
@@ -142,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncrl.cli_observe import add_observe_commands
 
     add_observe_commands(sub)  # status, plot, inspect
+    from asyncrl.cli_deploy import add_deploy_commands
+
+    add_deploy_commands(sub, _add_config_args, _load)  # submit slurm|ray, scale, keys
     return parser
 
 

@@ -82,8 +82,11 @@ class Launcher:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.buffer.redis_url:
-            self.redis = LocalRedis(self.run_dir / "redis", appendfsync=cfg.buffer.appendfsync).start()
-            cfg.buffer.redis_url = self.redis.url
+            from asyncrl.security import redis_password
+
+            self.redis = LocalRedis(self.run_dir / "redis", appendfsync=cfg.buffer.appendfsync,
+                                    password=redis_password()).start()
+            cfg.buffer.redis_url = self.redis.address_url  # the password, if any, stays in its file
             log.info("local redis-server at %s (AOF, appendfsync=%s)", self.redis.url, cfg.buffer.appendfsync)
         from asyncrl.keys import Keys, connect
 
@@ -119,12 +122,16 @@ class Launcher:
         from asyncrl.watchdog import launcher_watchdog
 
         watchdog = launcher_watchdog(cfg, keys)  # None when run.stall_timeout_s is 0
+        from asyncrl.elastic import LocalScaler
+
+        scaler = LocalScaler(self, client, keys, cfg_path)  # `asyncrl scale`: start/stop generator children
         while True:
             if self._interrupted:
                 return 130
             if watchdog is not None and watchdog.poll() and cfg.run.on_stall == "fail":
                 log.error("run.on_stall=fail: stopping the stalled run")
                 return 3
+            scaler.poll()
             learner = self.children["learner"]
             code = learner.poll()
             if code is not None:
@@ -136,7 +143,8 @@ class Launcher:
                 return 0
             for name, child in self.children.items():
                 # Exit 0 is an orderly leave (the stop key, or a drained generator); only failures stop the run.
-                if name != "learner" and (code := child.poll()) is not None and code != 0:
+                if (name != "learner" and name not in scaler.removed and (code := child.poll()) is not None
+                        and code != 0):
                     log.error("%s exited with %d (see %s/logs/%s.log): stopping the run", name, code,
                               self.run_dir, name)
                     return 1

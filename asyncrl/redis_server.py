@@ -16,19 +16,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalRedis:
-    """A real redis-server child process; `url` is where it listens. Bound to 127.0.0.1 only."""
+    """A real redis-server child process; `url` is where it listens. Bound to `host` (127.0.0.1 unless
+    a multi-node deployment names the node's interface, with a password: see docs/deploy.md)."""
 
     def __init__(self, data_dir: str | Path, port: int | None = None, appendfsync: str = "everysec",
-                 password: str | None = None):
+                 password: str | None = None, host: str = "127.0.0.1"):
         exe = shutil.which("redis-server")
         if exe is None:
             raise FileNotFoundError("redis-server not found: install it (Debian: apt-get install -y redis-server) "
                                     "or pass buffer.redis_url=redis://HOST:PORT/0")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self.host = host
+        self.port = port or free_port(host)
         self.password = password
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+        args = [exe, "--port", str(self.port), "--bind", host, "--dir", str(self.data_dir),
                 "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
                 "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
         if password:
@@ -39,7 +41,12 @@ class LocalRedis:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def address_url(self) -> str:
+        """The URL without the password (for config dumps and command lines; the password travels in a file)."""
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -50,7 +57,7 @@ class LocalRedis:
                 log = (self.data_dir / "redis.log").read_text()[-2000:] if (self.data_dir / "redis.log").exists() else ""
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
                     return self
             except OSError:
                 time.sleep(0.05)

@@ -71,13 +71,17 @@ class BufferService:
         # frames a little over the limit must still arrive here to be counted as `too_large`.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.buffer.max_frame_bytes + 2**20)
         self.sock.setsockopt(zmq.LINGER, 0)
+        from asyncrl.security import advertised_host, secure_server_socket
+
+        # Run token (PLAIN) or CURVE with known client keys, before bind; refusals are logged and counted.
+        self.auth = secure_server_socket(cfg, self._ctx, self.sock, on_refuse=lambda _why: self.count("auth_refused"))
         host = cfg.buffer.bind_host
         if cfg.buffer.ingest_port:
             self.sock.bind(f"tcp://{host}:{cfg.buffer.ingest_port}")
             port = cfg.buffer.ingest_port
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.ingest_addr = f"tcp://{host}:{port}"
+        self.ingest_addr = f"tcp://{advertised_host(host)}:{port}"
         self._last_rates = (time.monotonic(), 0, 0)
         self._depth, self._depth_at = 0, 0.0  # undelivered groups, when last measured
         self.full = False
@@ -277,6 +281,8 @@ class BufferService:
                 last_reclaim = now
         self.publish_metrics()
         self.sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
         self._ctx.term()
         log.info("buffer stopped")
 

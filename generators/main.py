@@ -15,7 +15,7 @@ import time
 
 import zmq.asyncio
 
-from asyncrl import schema
+from asyncrl import schema, security
 from asyncrl.config import Config
 from asyncrl.data import encode_prompt
 from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
@@ -77,7 +77,8 @@ class Generator:
             self.version = 0
         self.ctx = zmq.asyncio.Context()
         # Pushed groups stay in the outbox until the buffer has ingested them (generators/outbox.py).
-        self.outbox = GroupOutbox(self.redis, self.keys, self.id, self.cfg.buffer.lease_timeout_s, ctx=self.ctx)
+        self.outbox = GroupOutbox(self.redis, self.keys, self.id, self.cfg.buffer.lease_timeout_s, ctx=self.ctx,
+                                  secure=self._secure_socket, on_refused=self._refused)  # asyncrl/security.py
         addr = await self.outbox.connect()
         from asyncrl.exporter import exporter_field, start_exporter
 
@@ -116,6 +117,8 @@ class Generator:
             "checksums": ",".join(map(str, self.last_checksums)), "pid": os.getpid(),
             "host": socket.gethostname(), "updated_at": time.time(),
         }
+        if (token := security.run_token(self.cfg)) is not None:  # the learner ignores generators without it
+            fields["token_proof"] = security.token_proof(token, self.id)
         key = self.keys.gen(self.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
@@ -270,7 +273,16 @@ class Generator:
                 self.stopping.set()
             await asyncio.sleep(0.5)
 
+    def _secure_socket(self, sock) -> None:
+        security.secure_client_socket(self.cfg, sock)
+
+    def _refused(self, error: Exception) -> None:
+        """The buffer refused our run token / CURVE key: stop, and exit non-zero (run() re-raises)."""
+        self.auth_failure = error
+        self.stopping.set()
+
     async def run(self) -> None:
+        self.auth_failure = None
         await self.start()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
@@ -279,6 +291,8 @@ class Generator:
                                                     self.outbox.run())]
         try:
             await self.lease_loop()
+            if self.auth_failure is not None:
+                raise self.auth_failure
             # Draining: no new leases; what is in flight finishes and is pushed.
             self.state = "draining"
             await self.heartbeat()

@@ -38,13 +38,17 @@ class _Held:
 
 class GroupOutbox:
     def __init__(self, redis, keys: Keys, consumer: str, lease_timeout_s: float, poll_s: float = 0.1,
-                 ctx: zmq.asyncio.Context | None = None):
+                 ctx: zmq.asyncio.Context | None = None, secure=None, on_refused=None):
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
         self.lease_timeout_s = lease_timeout_s
         self.poll_s = poll_s
         self.ctx = ctx or zmq.asyncio.Context()
+        # secure(sock): run token / CURVE credentials (asyncrl/security.py); on_refused(error): the
+        # buffer refused them, which ZeroMQ alone would only show as sends that never arrive.
+        self.secure, self.on_refused = secure, on_refused
+        self._auth_watch: asyncio.Task | None = None
         self.held: dict[str, _Held] = {}
         self.sock: zmq.asyncio.Socket | None = None
         self.addr: bytes | None = None
@@ -84,6 +88,9 @@ class GroupOutbox:
         # Send high-water mark: when the buffer stops pulling, sends wait here (backpressure).
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if self.secure is not None:
+            self.secure(self.sock)
+            self._watch_auth(self.sock)
         self.sock.connect(addr.decode())
         if self.addr is not None:
             log.warning("buffer restarted (ingest %s -> %s, instance %s -> %s): re-sending %d unconfirmed groups",
@@ -94,6 +101,19 @@ class GroupOutbox:
         for gid in self.held:
             self._queue.put_nowait(gid)
         self._sender = asyncio.create_task(self._send_loop(self.sock, self._queue))
+
+    def _watch_auth(self, sock) -> None:
+        from asyncrl.security import watch_auth
+
+        if self._auth_watch is not None:
+            self._auth_watch.cancel()
+
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None and self.on_refused is not None:
+                self.on_refused(task.exception())
+
+        self._auth_watch = asyncio.create_task(watch_auth(sock, f"generator {self.consumer}"))
+        self._auth_watch.add_done_callback(done)
 
     async def _send_loop(self, sock: zmq.asyncio.Socket, queue: asyncio.Queue) -> None:
         while True:
@@ -168,5 +188,7 @@ class GroupOutbox:
     def close(self) -> None:
         if self._sender is not None:
             self._sender.cancel()
+        if self._auth_watch is not None:
+            self._auth_watch.cancel()
         if self.sock is not None:
             self.sock.close(linger=0)
