@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.keys import Keys, log_event
@@ -37,6 +38,25 @@ def _f(value, default: float | None = None) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return default
+
+
+_PROC_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a tracer", "Z": "a zombie", "D": "in uninterruptible I/O",
+                "R": "running", "S": "sleeping"}
+
+
+def process_state(info: dict) -> str:
+    """What the OS says about a generator's process, when it runs on this host ('' otherwise)."""
+    import socket
+
+    pid = info.get("pid")
+    if not pid or info.get("host") != socket.gethostname():
+        return ""
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except (FileNotFoundError, ValueError):
+        return f"; process {pid} on this host no longer exists"
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return f"; process {pid} on this host is {_PROC_STATES.get(state, state)}"
 
 
 class Watchdog:
@@ -134,7 +154,7 @@ class Watchdog:
                 why = ("its heartbeat key expired without a generator_leave: the process died or is frozen"
                        if gone else f"its heartbeat stopped updating (last state={info.get('state', '?')}, "
                        f"pid={info.get('pid', '?')}): the process is frozen (SIGSTOP, a debugger) or blocked")
-                stalls.append(Stall(f"generator:{gid}", "heartbeat", age, why))
+                stalls.append(Stall(f"generator:{gid}", "heartbeat", age, why + process_state(info)))
         for gid in sorted(self.expected - set(self.seen)):
             # Engine start-up (model load, vLLM warm-up) can take minutes: a generous bound before
             # calling a generator that never registered stuck.

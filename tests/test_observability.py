@@ -188,3 +188,26 @@ def test_launcher_watchdog_rides_out_a_redis_outage(tmp_path):
     server.stop()
     wd._next = 0.0
     assert wd.poll() == [] and wd._redis_down
+
+
+def test_process_state_tells_a_stopped_process_from_a_gone_one():
+    import signal
+    import socket
+    import subprocess
+
+    from asyncrl.watchdog import process_state
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        info = {"pid": str(child.pid), "host": socket.gethostname()}
+        assert "stopped" not in process_state(info)
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.time() + 10  # the state flips when the kernel next handles the child (loaded CI)
+        while not process_state(info).endswith("is stopped (SIGSTOP)") and time.time() < deadline:
+            time.sleep(0.05)
+        assert process_state(info).endswith("is stopped (SIGSTOP)"), process_state(info)
+        assert process_state({**info, "host": "elsewhere"}) == ""
+    finally:
+        child.kill()
+        child.wait()
+    assert "no longer exists" in process_state(info)

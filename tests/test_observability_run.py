@@ -238,6 +238,7 @@ def test_frozen_generator_is_reported_as_stalled_and_fails_the_run(tmp_path, tin
         detected_s = time.time() - frozen_at
         os.kill(pid, signal.SIGCONT)  # let teardown be quick
         assert event["what"] == "heartbeat" and "frozen" in event["reason"], event
+        assert f"process {pid} on this host is stopped (SIGSTOP)" in event["reason"], event
         # The heartbeat is checked every second, beats every heartbeat_s (1 s): a few seconds of slack.
         assert detected_s <= timeout_s + 5, f"reported after {detected_s:.1f}s (stall_timeout_s={timeout_s})"
         assert proc.wait(timeout=120) == 3, _tail(log)
