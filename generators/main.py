@@ -237,8 +237,14 @@ class Generator:
             if free <= 0:
                 continue
             t0 = time.monotonic()
-            reply = await self.redis.xreadgroup(PROMPT_GROUP, self.id, {self.keys.prompts: ">"}, count=free, block=200)
+            # run.mode=sync polls without blocking: a blocked read would lease the next version's prompts
+            # before this generator holds its weights (they would wait in process(), uncounted as idle).
+            lockstep = self.cfg.run.mode == "sync"
+            reply = await self.redis.xreadgroup(PROMPT_GROUP, self.id, {self.keys.prompts: ">"}, count=free,
+                                                block=None if lockstep else 200)
             if not reply:
+                if lockstep:
+                    await asyncio.sleep(0.02)
                 if not self.inflight:
                     self.idle_s += time.monotonic() - t0
                 continue
