@@ -165,6 +165,9 @@ def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, 
         assert sample["tokens"] and isinstance(sample["text"], str)
         for t in sample["tokens"]:
             assert t["version"] >= 0 and t["behaviour_logprob"] <= 1e-4 and t["current_logprob"] <= 1e-4
+        r = subprocess.run([sys.executable, "-m", "asyncrl", "inspect", str(run_dir / "config.yaml"), "-n", "1",
+                            "--samples", "1", "--no-current"], capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0 and "behaviour lp" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
         assert proc.wait(timeout=600) == 0, _tail(log)
     finally:
