@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncrl.cli_deploy import add_deploy_commands
 
     add_deploy_commands(sub, _add_config_args, _load)  # submit slurm|ray, scale, keys
+    from asyncrl.simulate import add_parser as add_simulate_command  # standard library only
+
+    add_simulate_command(sub)  # simulate
     return parser
 
 

@@ -1,0 +1,271 @@
+"""Async vs sync, side by side on one machine, plus each stage alone: does the decoupling pay?
+
+    python benchmarks/async_vs_sync.py                        # the tiny copy task on CPU
+    python benchmarks/async_vs_sync.py --preset gpu --model /path/to/Qwen2.5-0.5B-Instruct \
+        --data data/gsm8k/train.parquet                       # one GPU (needs vLLM's CUDA build)
+
+Four real runs, back to back in one invocation (the machine's load drifts; ratios of neighbours
+are what to read):
+1. `asyncrl run run.mode=async`, 2. `asyncrl run run.mode=sync`, the same `run.max_steps` (so the
+   same number of trained samples), the same model, data and seed;
+3. generator alone: redis-server + `asyncrl buffer` + one `asyncrl generator`, no learner, an
+   admission bound high enough that nothing holds it back: generated tokens/s;
+4. learner alone: `asyncrl learner` on the trajectories run 3 left in Redis (real groups, as
+   tests/test_learner_resume.py does with fixed ones): trained tokens/s.
+
+Throughputs are measured over the steady window (first step to last step), so process start-up
+(vLLM, torchrun) is excluded; total wall time including start-up is reported too. Pipeline
+efficiency = async trained tokens/s / min(generator alone, learner alone).
+Generator idle ratios are read from `gen:*` heartbeats (`idle_s`) polled during the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from asyncrl.config import dump_yaml, load_config  # noqa: E402
+
+PRESETS = {
+    # Balanced on a 2-core box: one generator limited to 2 groups in flight vs one learner rank.
+    "cpu": ["generator.max_concurrent_groups=2", "generator.kv_cache_gb=0.5", "learner.batch_groups=8",
+            "algorithm.max_staleness=2", "logging.prometheus=false", "run.stall_timeout_s=0"],
+    # One GPU shared by one vLLM engine and one learner rank (the stages do not get their own device).
+    "gpu": ["data.task=gsm8k", "reward.name=gsm8k", "data.chat_template=true", "generator.n=8",
+            "generator.max_tokens=512", "generator.max_model_len=1024", "generator.max_concurrent_groups=64",
+            "generator.gpu_memory_utilization=0.35", "generator.enforce_eager=false", "model.dtype=bfloat16",
+            "learner.batch_groups=32", "learner.lr=1e-6",
+            "algorithm.max_staleness=2", "logging.prometheus=false", "run.stall_timeout_s=0"],
+}
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class HeartbeatPoller(threading.Thread):
+    """Samples every `gen:*` heartbeat twice a second: (time, id, tokens, idle_s, state)."""
+
+    def __init__(self, url_fn, run_name: str):
+        super().__init__(daemon=True)
+        self.url_fn, self.run_name = url_fn, run_name
+        self.samples: list[tuple[float, str, float, float, str]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import redis
+
+        from asyncrl.keys import Keys
+
+        client, keys = None, Keys(self.run_name)
+        while not self.done.is_set():
+            try:
+                if client is None and (url := self.url_fn()):
+                    client = redis.Redis.from_url(url)
+                if client is not None:
+                    for key in client.scan_iter(keys.gen_pattern, count=100):
+                        info = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+                        if info:
+                            self.samples.append((time.time(), info["id"], float(info.get("tokens", 0)),
+                                                 float(info.get("idle_s", 0)), info.get("state", "")))
+            except redis.RedisError:
+                client = None
+            time.sleep(0.5)
+
+    def idle_ratio(self, t0: float, t1: float) -> float | None:
+        """Generator idle seconds / wall seconds over [t0, t1], averaged over generators."""
+        ratios = []
+        for gid in {s[1] for s in self.samples}:
+            mine = [s for s in self.samples if s[1] == gid and t0 <= s[0] <= t1]
+            if len(mine) >= 2 and mine[-1][0] > mine[0][0]:
+                ratios.append((mine[-1][3] - mine[0][3]) / (mine[-1][0] - mine[0][0]))
+        return statistics.mean(ratios) if ratios else None
+
+
+def window_stats(rows: list[dict]) -> dict:
+    """Steady-state numbers from a run's metrics rows: the window from the first to the last step."""
+    first, last = rows[0], rows[-1]
+    span = last["time"] - first["time"]
+    tokens = sum(r["tokens"] for r in rows[1:])
+    idle = (last["idle_ratio"] * last["elapsed_s"] - first["idle_ratio"] * first["elapsed_s"]) / max(span, 1e-9)
+    lags = {}
+    for r in rows:
+        for k, v in r["lag_hist"].items():
+            lags[int(k)] = lags.get(int(k), 0) + v
+    num_lag = max(sum(lags.values()), 1)
+    return {
+        "steps": len(rows), "window_s": span, "trained_tokens_per_s": tokens / max(span, 1e-9),
+        "trained_tokens": sum(r["tokens"] for r in rows),
+        "step_s_median": statistics.median(r["step_s"] for r in rows),
+        "sync_s_median": statistics.median(r["sync_s"] for r in rows),
+        "learner_idle_ratio": idle,
+        "reward_first4": statistics.mean(r["reward_mean"] for r in rows[:4]),
+        "reward_last4": statistics.mean(r["reward_mean"] for r in rows[-4:]),
+        "lag_mean": sum(k * v for k, v in lags.items()) / num_lag, "lag_max": max(lags) if lags else 0,
+        "lag_hist": {str(k): lags[k] for k in sorted(lags)},
+        "dropped_stale": last["dropped_stale"], "window": (first["time"], last["time"]),
+    }
+
+
+def run_mode(mode: str, base: list[str], out_dir: Path, env: dict) -> dict:
+    name = f"bench-{mode}"
+    run_dir = out_dir / name
+    overrides = [*base, f"run.dir={out_dir}", f"run.name={name}", f"run.mode={mode}"]
+
+    def url():
+        path = run_dir / "config.yaml"
+        if not path.exists():
+            return None
+        return load_config(path).buffer.redis_url or None
+
+    poller = HeartbeatPoller(url, name)
+    poller.start()
+    t0 = time.time()
+    with open(out_dir / f"{name}.log", "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "asyncrl", "run", *overrides], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    wall = time.time() - t0
+    poller.done.set()
+    poller.join()
+    if rc != 0:
+        raise RuntimeError(f"{mode} run failed (rc={rc}); see {out_dir / f'{name}.log'}")
+    stats = window_stats(_rows(run_dir))
+    stats.update(mode=mode, wall_s=wall, run_dir=str(run_dir),
+                 generator_idle_ratio=poller.idle_ratio(*stats["window"]))
+    return stats
+
+
+def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_s: float) -> dict:
+    """Generator alone (no learner consuming), then the learner alone on what it generated."""
+    from asyncrl import schema
+    from asyncrl.keys import Keys, connect
+    from asyncrl.redis_server import LocalRedis
+
+    name = "bench-stages"
+    redis = LocalRedis(out_dir / "redis-stages").start()
+    try:
+        cfg = load_config(None, [*base, f"run.dir={out_dir}", f"run.name={name}", f"buffer.redis_url={redis.url}",
+                                 "algorithm.max_staleness=100000", f"run.max_steps={steps}"])
+        cfg_path = out_dir / f"{name}.yaml"
+        cfg_path.write_text(dump_yaml(cfg))
+        client, keys = connect(redis.url), Keys(name)
+        py = [sys.executable, "-m", "asyncrl"]
+        logs = {r: open(out_dir / f"{name}-{r}.log", "w") for r in ("buffer", "generator", "learner")}
+        procs = {r: subprocess.Popen([*py, r, str(cfg_path), *(["--id", "g0"] if r == "generator" else [])],
+                                     stdout=logs[r], stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     start_new_session=True) for r in ("buffer", "generator")}
+        need = steps * cfg.learner.batch_groups
+        deadline = time.time() + 900
+        while client.xlen(keys.trajectories) < 2 and time.time() < deadline:
+            assert procs["generator"].poll() is None, "generator died; see its log"
+            time.sleep(0.2)
+        t_start = time.time()
+        while (client.xlen(keys.trajectories) < need + 1 or time.time() - t_start < min_gen_s) \
+                and time.time() < deadline:
+            time.sleep(0.2)
+        client.set(keys.stop, "1")  # buffer and generator leave
+        for p in procs.values():
+            p.wait(timeout=180)
+        groups = [schema.decode(f[b"data"], schema.TrajectoryGroup)
+                  for _, f in client.xrange(keys.trajectories)]
+        groups.sort(key=lambda g: g.created_at)
+        # The first group's creation marks the start; tokens of the groups after it over the span.
+        span = groups[-1].created_at - groups[0].created_at
+        gen_tps = sum(g.num_tokens() for g in groups[1:]) / max(span, 1e-9)
+        lengths = [s.num_tokens for g in groups for s in g.samples]
+        client.delete(keys.stop)
+        learner = subprocess.Popen([*py, "learner", str(cfg_path)], stdout=logs["learner"],
+                                   stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        if learner.wait(timeout=900) != 0:
+            raise RuntimeError(f"learner-alone run failed; see {out_dir / f'{name}-learner.log'}")
+        for f in logs.values():
+            f.close()
+        learn = window_stats(_rows(out_dir / name))
+        return {"generator_tokens_per_s": gen_tps, "generator_groups": len(groups), "generator_window_s": span,
+                "sample_len_mean": statistics.mean(lengths), "sample_len_max": max(lengths),
+                "learner_tokens_per_s": learn["trained_tokens_per_s"], "learner_step_s_median": learn["step_s_median"],
+                "learner_steps": learn["steps"]}
+    finally:
+        redis.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--steps", type=int, default=24, help="run.max_steps of every run (same trained samples)")
+    ap.add_argument("--model", default="", help="model dir (default: a tiny model written under --out)")
+    ap.add_argument("--data", default="", help="gpu preset: the GSM8K train parquet")
+    ap.add_argument("--out", default="runs/bench-async-vs-sync")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (CPU)")
+    ap.add_argument("--modes", default="async,sync")
+    ap.add_argument("--no-stages", action="store_true", help="skip the stage-alone runs")
+    ap.add_argument("overrides", nargs="*", help="extra dotted config overrides for every run")
+    args = ap.parse_args()
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if not model:
+        from asyncrl.tiny_model import write_tiny_model
+
+        model = str(write_tiny_model(out_dir / "tiny-model", seed=0, warm_start_steps=30))
+    base = [*PRESETS[args.preset], f"run.max_steps={args.steps}", f"model.path={model}", *args.overrides]
+    if args.data:
+        base.append(f"data.path={args.data}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(REPO)}
+    results = {"preset": args.preset, "steps": args.steps, "overrides": base, "cpus": os.cpu_count(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
+    for mode in args.modes.split(","):
+        results["modes"][mode] = run_mode(mode, base, out_dir, env)
+        print(f"{mode}: {results['modes'][mode]['trained_tokens_per_s']:.1f} trained tok/s", flush=True)
+    if not args.no_stages:
+        results["stages"] = stages_alone(base, out_dir, env, args.steps, min_gen_s=20.0)
+    summarize(results)
+    path = out_dir / "async_vs_sync.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+def summarize(results: dict) -> None:
+    modes = results["modes"]
+    cols = ("mode", "wall s", "window s", "trained tok/s", "reward first4->last4", "lag mean/max", "learner idle",
+            "gen idle", "step s", "sync s")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for m, s in modes.items():
+        gi = s["generator_idle_ratio"]
+        print(f"| {m} | {s['wall_s']:.1f} | {s['window_s']:.1f} | {s['trained_tokens_per_s']:.1f} | "
+              f"{s['reward_first4']:.3f} -> {s['reward_last4']:.3f} | {s['lag_mean']:.2f}/{s['lag_max']} | "
+              f"{s['learner_idle_ratio']:.2f} | {'n/a' if gi is None else f'{gi:.2f}'} | "
+              f"{s['step_s_median']:.3f} | {s['sync_s_median']:.3f} |")
+    derived = {}
+    if "async" in modes and "sync" in modes:
+        derived["speedup_tokens_per_s"] = modes["async"]["trained_tokens_per_s"] / modes["sync"]["trained_tokens_per_s"]
+        derived["speedup_wall"] = modes["sync"]["wall_s"] / modes["async"]["wall_s"]
+    if (st := results.get("stages")) is not None:
+        g, lr = st["generator_tokens_per_s"], st["learner_tokens_per_s"]
+        derived["bottleneck_tokens_per_s"] = min(g, lr)
+        # Serial (sync) vs overlapped (async) with these stage rates: 1/(1/g + 1/l) vs min(g, l).
+        derived["ideal_speedup"] = min(g, lr) * (1 / g + 1 / lr)
+        for m in modes:
+            derived[f"efficiency_{m}"] = modes[m]["trained_tokens_per_s"] / min(g, lr)
+        print(f"stages alone: generator {g:.1f} tok/s, learner {lr:.1f} tok/s "
+              f"(mean sample length {st['sample_len_mean']:.2f})")
+    results["derived"] = derived
+    print(" ".join(f"{k}={v:.3f}" for k, v in derived.items()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
