@@ -68,6 +68,7 @@ class HfEngine:
         self.receiver: WeightReceiver | None = None
         self.loaded_version: int | None = None
         self.num_loads = 0
+        self.num_steps = 0  # decoding steps (forwards) run
         self.mode = cfg.weights.mode
         self.num_active = 0
         self.num_resubmitted = 0
@@ -89,6 +90,7 @@ class HfEngine:
             ids = torch.tensor([[r[-1]] for r in rows], device=self.device)
         out = self.model(input_ids=ids, past_key_values=grp.past, use_cache=True)
         grp.past, grp.cache_weights = out.past_key_values, self.num_loads
+        self.num_steps += 1
         logits = out.logits[:, -1, :].float()
         if grp.temperature == 0.0:  # greedy (evaluation)
             logp = torch.log_softmax(logits, -1)
