@@ -38,6 +38,25 @@ def wait_redis_url(run_dir: Path, timeout_s: float = 600.0) -> str:
                        "is the core job (Redis + buffer) running?")
 
 
+def _wait_generators_left(client, keys, stopping: list) -> None:
+    """The run is over (stop key): generators drain into Redis and log their leave; Redis must outlive
+    that. Live heartbeats first, then the joins/leaves balance (a killed generator never leaves: bounded)."""
+    deadline = time.monotonic() + LEAVE_GRACE_S
+    no_heartbeat_since = None
+    while time.monotonic() < deadline and not stopping:
+        time.sleep(0.5)
+        if list(client.scan_iter(keys.gen_pattern)):
+            no_heartbeat_since = None
+            continue
+        no_heartbeat_since = no_heartbeat_since or time.monotonic()
+        kinds = [f.get(b"kind") for _, f in client.xrange(keys.events)]
+        if kinds.count(b"generator_leave") >= kinds.count(b"generator_join"):
+            break
+        if time.monotonic() - no_heartbeat_since > 10:
+            break
+    time.sleep(2.0)  # the last leaver's final Redis calls
+
+
 def run_core(config_path: str, backend: str) -> int:
     from asyncrl.cli import _setup_logging
     from asyncrl.config import load_config
@@ -87,10 +106,7 @@ def run_core(config_path: str, backend: str) -> int:
             log.error("buffer exited with %d (see %s/logs/buffer.log)", buffer.returncode, run_dir)
             code = 1
         else:
-            # The run is over (stop key): let generators drain into Redis before it goes away.
-            deadline = time.monotonic() + LEAVE_GRACE_S
-            while time.monotonic() < deadline and not stopping and list(client.scan_iter(keys.gen_pattern)):
-                time.sleep(0.5)
+            _wait_generators_left(client, keys, stopping)
     finally:
         if buffer.poll() is None:
             buffer.terminate()

@@ -84,6 +84,10 @@ class LocalScaler:
         self._next = launcher.cfg.generator.num_generators
         self._last = 0.0
         publish_backend(client, keys, "local", pid=os.getpid())
+        from asyncrl.security import redis_url_file
+
+        # `asyncrl scale CONFIG` finds the launcher's Redis here (no password in it).
+        redis_url_file(launcher.cfg.run_dir).write_text(launcher.cfg.buffer.redis_url + "\n")
 
     def generators(self) -> list[str]:
         return [n for n, c in self.launcher.children.items()

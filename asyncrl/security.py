@@ -184,8 +184,8 @@ def secure_server_socket(cfg, ctx, sock, on_refuse=None):
     return auth
 
 
-def secure_client_socket(cfg, sock) -> None:
-    """Makes a generator's PUSH socket present its CURVE key or the run token."""
+def secure_client_socket(cfg, sock) -> bool:
+    """Makes a generator's PUSH socket present its CURVE key or the run token; False: no credentials set."""
     keys_dir, token = cfg.deploy.curve_keys_dir, run_token(cfg)
     if keys_dir:
         server_public, _ = _load_pair(Path(keys_dir) / "server.key")
@@ -193,28 +193,28 @@ def secure_client_socket(cfg, sock) -> None:
         sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, server_public
     elif token is not None:
         sock.plain_username, sock.plain_password = PLAIN_USER.encode(), token.encode()
+    return bool(keys_dir) or token is not None
 
 
 class AuthFailed(ConnectionRefusedError):
     """The buffer refused this generator's credentials (run token or CURVE key)."""
 
 
-async def watch_auth(sock, what: str) -> None:
-    """Raises AuthFailed once the peer refuses our handshake: better to fail loudly than push into a void."""
+def auth_monitor(sock):
+    """A monitor socket reporting refused handshakes on `sock`; the caller closes it (before ctx.term())."""
     import zmq
+
+    return sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+
+async def watch_auth(mon, what: str) -> None:
+    """Raises AuthFailed once the peer refuses our handshake: better to fail loudly than push into a void."""
     from zmq.utils.monitor import parse_monitor_message
 
-    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-    try:
-        while True:
-            event = parse_monitor_message(await mon.recv_multipart())
-            log.error("%s: the buffer refused our credentials (event %s, endpoint %s): wrong run token "
-                      "(deploy.run_token_file) or CURVE key (deploy.curve_keys_dir)", what, event["event"],
-                      event["endpoint"])
-            raise AuthFailed(f"{what}: refused by the buffer at {event['endpoint']!r}")
-    finally:
-        sock.disable_monitor()
-        mon.close(0)
+    event = parse_monitor_message(await mon.recv_multipart())
+    log.error("%s: the buffer refused our credentials (event %s, endpoint %s): wrong run token "
+              "(deploy.run_token_file) or CURVE key (deploy.curve_keys_dir)", what, event["event"], event["endpoint"])
+    raise AuthFailed(f"{what}: refused by the buffer at {event['endpoint']!r}")
 
 
 def advertised_host(bind_host: str) -> str:

@@ -279,8 +279,8 @@ class Generator:
                 self.stopping.set()
             await asyncio.sleep(0.5)
 
-    def _secure_socket(self, sock) -> None:
-        security.secure_client_socket(self.cfg, sock)
+    def _secure_socket(self, sock) -> bool:
+        return security.secure_client_socket(self.cfg, sock)
 
     def _refused(self, error: Exception) -> None:
         """The buffer refused our run token / CURVE key: stop, and exit non-zero (run() re-raises)."""

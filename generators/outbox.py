@@ -49,6 +49,7 @@ class GroupOutbox:
         # buffer refused them, which ZeroMQ alone would only show as sends that never arrive.
         self.secure, self.on_refused = secure, on_refused
         self._auth_watch: asyncio.Task | None = None
+        self._auth_mon = None  # the monitor socket: closed synchronously, or ctx.term() would hang
         self.held: dict[str, _Held] = {}
         self.sock: zmq.asyncio.Socket | None = None
         self.addr: bytes | None = None
@@ -88,8 +89,7 @@ class GroupOutbox:
         # Send high-water mark: when the buffer stops pulling, sends wait here (backpressure).
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.LINGER, 0)
-        if self.secure is not None:
-            self.secure(self.sock)
+        if self.secure is not None and self.secure(self.sock):  # credentials set: watch for a refusal
             self._watch_auth(self.sock)
         self.sock.connect(addr.decode())
         if self.addr is not None:
@@ -103,17 +103,25 @@ class GroupOutbox:
         self._sender = asyncio.create_task(self._send_loop(self.sock, self._queue))
 
     def _watch_auth(self, sock) -> None:
-        from asyncrl.security import watch_auth
+        from asyncrl.security import auth_monitor, watch_auth
 
-        if self._auth_watch is not None:
-            self._auth_watch.cancel()
+        self._stop_auth_watch()
+        self._auth_mon = auth_monitor(sock)
 
         def done(task: asyncio.Task) -> None:
             if not task.cancelled() and task.exception() is not None and self.on_refused is not None:
                 self.on_refused(task.exception())
 
-        self._auth_watch = asyncio.create_task(watch_auth(sock, f"generator {self.consumer}"))
+        self._auth_watch = asyncio.create_task(watch_auth(self._auth_mon, f"generator {self.consumer}"))
         self._auth_watch.add_done_callback(done)
+
+    def _stop_auth_watch(self) -> None:
+        if self._auth_watch is not None:
+            self._auth_watch.cancel()
+            self._auth_watch = None
+        if self._auth_mon is not None:
+            self._auth_mon.close(0)
+            self._auth_mon = None
 
     async def _send_loop(self, sock: zmq.asyncio.Socket, queue: asyncio.Queue) -> None:
         while True:
@@ -188,7 +196,6 @@ class GroupOutbox:
     def close(self) -> None:
         if self._sender is not None:
             self._sender.cancel()
-        if self._auth_watch is not None:
-            self._auth_watch.cancel()
+        self._stop_auth_watch()
         if self.sock is not None:
             self.sock.close(linger=0)

@@ -12,6 +12,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
   $SUDO apt-get update -q
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
 fi
+# Test mode: the deploy tests start a real one-node Slurm cluster (tests/slurm_cluster.py) as root.
+if [ "${1:-}" = "test" ] && [ "$(id -u)" -eq 0 ] && ! command -v slurmctld >/dev/null 2>&1; then
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge
+fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -1,0 +1,277 @@
+"""`asyncrl submit ray`: the run as a Ray job; the driver (deploy/ray_driver.py) lives here.
+
+`submit_ray` runs `ray job submit --address ADDR -- python deploy/ray_driver.py CONFIG ...`, which
+streams the job's logs until it ends (the repository and the run directory are on a filesystem all
+Ray nodes share, as with Slurm). The driver:
+- places each role with a placement group: the core (Redis + buffer, asyncrl/deploy_core.py), the
+  learner (one bundle per node, STRICT_SPREAD, a torchrun per bundle), one group per generator;
+- runs each role's ordinary entry point as a subprocess of a `RoleActor`, whose output goes to
+  the driver's log (and so to `ray job submit`'s stream);
+- restarts a generator whose actor or process dies (Ray's `max_restarts` re-runs the actor, which
+  re-spawns the generator; a process that exits non-zero is re-spawned by the driver);
+- watches the run's `scale` list (`asyncrl scale`): +K starts actors, -K drains the newest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+NAMESPACE = "asyncrl"
+
+
+def submit_ray(cfg, address: str, num_generators: int, cpus_per_role: float = 1.0, gpus_per_node: int = 0,
+               learner_nodes: int = 1, wait: bool = True) -> int:
+    from asyncrl.config import dump_yaml
+
+    exe = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    if not Path(exe).exists():
+        print("asyncrl submit ray: the `ray` CLI is missing: pip install 'asyncrl[ray]'", file=sys.stderr)
+        return 1
+    run_dir = cfg.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(dump_yaml(cfg))
+    argv = [exe, "job", "submit", "--address", address, "--submission-id", f"asyncrl-{cfg.run.name}-{int(time.time())}"]
+    if not wait:
+        argv.append("--no-wait")
+    argv += ["--", sys.executable, str(REPO / "deploy" / "ray_driver.py"), str(config_path),
+             "--generators", str(num_generators), "--cpus-per-role", str(cpus_per_role),
+             "--gpus-per-node", str(gpus_per_node), "--learner-nodes", str(learner_nodes)]
+    print("asyncrl submit ray:", " ".join(argv), file=sys.stderr, flush=True)
+    res = subprocess.run(argv, cwd=REPO)
+    return res.returncode
+
+
+# ---- the driver (runs inside the Ray job) -------------------------------------------------------------
+
+
+def _role_actor_class():
+    import ray
+
+    @ray.remote(max_restarts=-1, max_task_retries=0)
+    class RoleActor:
+        """Runs one role's entry point as a subprocess; dies with it never silently (poll() says)."""
+
+        def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+            self.name, self.argv, self.env = name, argv, env
+            self.proc = None
+            self.spawn()
+
+        def spawn(self) -> int:
+            import ctypes
+            import signal
+
+            def die_with_actor():  # the role must not outlive a killed actor (Linux: PR_SET_PDEATHSIG)
+                ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+
+            self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
+                                         cwd=str(REPO), preexec_fn=die_with_actor)
+            print(f"[{self.name}] started pid {self.proc.pid}: {' '.join(self.argv)}", flush=True)
+            return self.proc.pid
+
+        def poll(self):
+            return self.proc.poll()
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def ip(self) -> str:
+            import ray
+
+            return ray.util.get_node_ip_address()
+
+        def terminate(self) -> None:
+            """SIGTERM to the role only: a generator drains, then exits 0."""
+            if self.proc.poll() is None:
+                self.proc.terminate()
+
+        def kill(self) -> None:
+            from asyncrl.launcher import kill_tree
+
+            kill_tree(self.proc.pid, 9)
+
+    return RoleActor
+
+
+class RayDriver:
+    def __init__(self, config_path: str, num_generators: int, cpus_per_role: float, gpus_per_node: int,
+                 learner_nodes: int):
+        import ray
+
+        from asyncrl.config import load_config
+
+        self.ray = ray
+        self.config_path = config_path
+        self.cfg = load_config(config_path)
+        self.cpus, self.gpus, self.learner_nodes = cpus_per_role, gpus_per_node, learner_nodes
+        self.Actor = _role_actor_class()
+        self.generators: dict[str, tuple] = {}  # id -> (actor, placement group)
+        self.draining: set[str] = set()
+        self.num_restarts = 0
+        self._next = 0
+        self.num_generators = num_generators
+
+    def _place(self, bundles: list[dict], strategy: str = "PACK"):
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group(bundles, strategy=strategy)
+        self.ray.get(pg.ready(), timeout=600)
+        return pg
+
+    def _actor(self, name: str, argv: list[str], pg, bundle: int = 0, env: dict | None = None):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+        return self.Actor.options(name=f"asyncrl-{self.cfg.run.name}-{name}", namespace=NAMESPACE,
+                                  num_cpus=self.cpus, num_gpus=0, scheduling_strategy=strategy,
+                                  lifetime=None).remote(name, argv, env or {})
+
+    def _bundle(self, gpus: int = 0) -> dict:
+        return {"CPU": self.cpus, **({"GPU": gpus} if gpus else {})}
+
+    def start_generator(self) -> str:
+        gid = f"g{self._next}"
+        self._next += 1
+        gpus = self.cfg.generator.tensor_parallel_size if self.gpus else 0
+        pg = self._place([self._bundle(gpus)])
+        argv = [sys.executable, "-m", "asyncrl", "generator", self.config_path, f"buffer.redis_url={self.redis_url}",
+                "--id", gid]
+        self.generators[gid] = (self._actor(f"gen-{gid}", argv, pg), pg)
+        return gid
+
+    def run(self) -> int:
+        from asyncrl.deploy_core import wait_redis_url
+        from asyncrl.elastic import pop_requests
+        from asyncrl.keys import Keys, connect, log_event
+        from asyncrl.security import redis_url_file
+
+        cfg = self.cfg
+        redis_url_file(cfg.run_dir).unlink(missing_ok=True)
+        core_pg = self._place([self._bundle()])
+        core = self._actor("core", [sys.executable, "-m", "asyncrl.deploy_core", "core", self.config_path,
+                                    "--backend", "ray"], core_pg)
+        self.redis_url = wait_redis_url(cfg.run_dir)
+        client, keys = connect(self.redis_url), Keys(cfg.run.name)
+        learner_pg = self._place([self._bundle(self.gpus)] * self.learner_nodes,
+                                 "STRICT_SPREAD" if self.learner_nodes > 1 else "PACK")
+        learners = self._start_learner(learner_pg)
+        for _ in range(self.num_generators):
+            self.start_generator()
+        print(f"asyncrl ray driver: {cfg.run.name}: core, {self.learner_nodes} learner node(s), "
+              f"{self.num_generators} generator(s); redis {self.redis_url}", flush=True)
+        code = None
+        while code is None:
+            time.sleep(1.0)
+            code = self.ray.get(learners[0].poll.remote())
+            if self.ray.get(core.poll.remote()) not in (None, 0):
+                log.error("the core (Redis + buffer) failed: stopping")
+                code = 1
+                break
+            for delta in pop_requests(client, keys):
+                self._scale(delta, client, keys, log_event)
+            self._supervise_generators(client, keys, log_event)
+        print(f"asyncrl ray driver: learner exited with {code}; generators restarted {self.num_restarts} time(s)",
+              flush=True)
+        deadline = time.monotonic() + 120  # the learner set the stop key: everyone leaves by themselves
+        while time.monotonic() < deadline and (self.ray.get(core.poll.remote()) is None or any(
+                self._poll(a) is None for a, _ in self.generators.values())):
+            time.sleep(1.0)
+        for actor in [core, *learners, *(a for a, _ in self.generators.values())]:
+            try:
+                self.ray.get(actor.kill.remote(), timeout=30)
+            except Exception as e:  # already gone is fine: we are tearing down
+                log.info("teardown: %r", e)
+            self.ray.kill(actor, no_restart=True)
+        return 0 if code == 0 else 1
+
+    def _start_learner(self, pg) -> list:
+        cfg = self.cfg
+        if self.learner_nodes == 1:
+            head, port = "127.0.0.1", None
+        else:
+            probe = self._actor("learner-probe", [sys.executable, "-c", "pass"], pg, 0)
+            head = self.ray.get(probe.ip.remote())
+            self.ray.kill(probe, no_restart=True)
+            port = None
+        from asyncrl.redis_server import free_port
+
+        port = port or free_port()
+        actors = []
+        for node in range(self.learner_nodes):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.learner_nodes),
+                    "--nproc-per-node", str(cfg.learner.nproc), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{head}:{port}", "--rdzv-id", f"asyncrl-{cfg.run.name}",
+                    "-m", "learners.main", self.config_path, f"buffer.redis_url={self.redis_url}"]
+            # Ray restarts actors; a learner rank restarted alone cannot rejoin torchrun's group.
+            actors.append(self._actor(f"learner-{node}", argv, pg, node))
+        return actors
+
+    def _poll(self, actor):
+        try:
+            return self.ray.get(actor.poll.remote(), timeout=30)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            return "dead"
+
+    def _supervise_generators(self, client, keys, log_event) -> None:
+        for gid, (actor, pg) in list(self.generators.items()):
+            code = self._poll(actor)
+            if code is None:
+                continue
+            if gid in self.draining and code != "dead":
+                print(f"asyncrl ray driver: {gid} drained (exit {code})", flush=True)
+                self.ray.kill(actor, no_restart=True)
+                self.ray.util.remove_placement_group(pg)
+                del self.generators[gid]
+                continue
+            if code == "dead":
+                continue  # the actor is being restarted by Ray; its __init__ re-spawns the generator
+            if code == 0:
+                continue  # a generator leaves with 0 only when the run stops
+            self.num_restarts += 1
+            print(f"asyncrl ray driver: generator {gid} exited with {code}: restarting it", flush=True)
+            log_event(client, keys, "restart", id=gid, backend="ray", code=code)
+            self.ray.get(actor.spawn.remote())
+
+    def _scale(self, delta: int, client, keys, log_event) -> None:
+        if delta > 0:
+            for _ in range(delta):
+                gid = self.start_generator()
+                log_event(client, keys, "scale_up", id=gid, backend="ray")
+                print(f"asyncrl ray driver: scale: added {gid}", flush=True)
+            return
+        live = [g for g in self.generators if g not in self.draining]
+        for gid in live[::-1][:-delta]:
+            self.draining.add(gid)
+            self.ray.get(self.generators[gid][0].terminate.remote())
+            log_event(client, keys, "scale_down", id=gid, backend="ray")
+            print(f"asyncrl ray driver: scale: draining {gid}", flush=True)
+
+
+def driver_main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import ray
+
+    p = argparse.ArgumentParser(prog="deploy/ray_driver.py")
+    p.add_argument("config")
+    p.add_argument("--generators", type=int, default=1)
+    p.add_argument("--cpus-per-role", type=float, default=1.0)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--learner-nodes", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ray.init(address="auto", namespace=NAMESPACE, log_to_driver=True)
+    driver = RayDriver(args.config, args.generators, args.cpus_per_role, args.gpus_per_node, args.learner_nodes)
+    from asyncrl.security import set_redis_password_file
+
+    set_redis_password_file(driver.cfg.deploy.redis_password_file)
+    return driver.run()

@@ -1,0 +1,139 @@
+"""`asyncrl submit slurm` and `asyncrl scale` on a real one-node Slurm cluster (tests/slurm_cluster.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from asyncrl.keys import Keys, connect
+from tests import slurm_cluster
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT_S = 900
+
+
+@pytest.fixture
+def slurm(tmp_path_factory):
+    why = slurm_cluster.missing()
+    if why:
+        pytest.skip(why)
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+def _asyncrl(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _overrides(tmp_path, tiny_model, name, *extra):
+    return [f"run.dir={tmp_path / 'runs'}", f"model.path={tiny_model}", f"run.name={name}", "learner.nproc=1",
+            "generator.kv_cache_gb=0.5", "generator.cpu_threads=1", "run.stall_timeout_s=0", *extra]
+
+
+def _submit(slurm, tmp_path, tiny_model, name, num_generators, *extra):
+    res = _asyncrl("submit", "slurm", "configs/tiny.yaml", *_overrides(tmp_path, tiny_model, name, *extra),
+                   "--generators", str(num_generators))
+    assert res.returncode == 0, res.stderr + slurm.logs()
+    jobs = dict(line.split("\t") for line in res.stdout.strip().splitlines())
+    assert set(jobs) == {"core", "learner", *[f"g{i}" for i in range(num_generators)]}
+    return jobs
+
+
+def _rows(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait(cond, timeout_s, what, diag):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := cond()):
+            return value
+        time.sleep(2)
+    raise AssertionError(f"waited {timeout_s}s for {what}\n{diag()}")
+
+
+def _diag(slurm, run_dir):
+    def show():
+        logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        return logs + subprocess.run(["squeue"], capture_output=True, text=True).stdout + slurm.logs()[-3000:]
+    return show
+
+
+def test_submit_slurm_runs_tiny_config_to_completion(slurm, tmp_path, tiny_model):
+    jobs = _submit(slurm, tmp_path, tiny_model, "slurm1", 1, "run.max_steps=3")
+    run_dir = tmp_path / "runs" / "slurm1"
+    diag = _diag(slurm, run_dir)
+    _wait(lambda: slurm.job_state(jobs["learner"]) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"),
+          RUN_TIMEOUT_S, "the learner job to finish", diag)
+    assert slurm.job_state(jobs["learner"]) == "COMPLETED", diag()
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows][-1] == 3, diag()
+    assert all(r["generators_in_batch"] == ["g0"] for r in rows)
+    # The learner set the stop key: the generator and the core job leave by themselves, cleanly.
+    for role in ("g0", "core"):
+        _wait(lambda role=role: slurm.job_state(jobs[role]) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"),
+              180, f"the {role} job to end", diag)
+        assert slurm.job_state(jobs[role]) == "COMPLETED", diag()
+    assert not (run_dir / "redis_url").exists()  # the core job took its address down with Redis
+    for name in ("core", "learner", "buffer", "generator-g0"):
+        assert any((run_dir / "logs").glob(f"{name}*.log")), f"no {name} log"
+
+
+def test_slurm_scale_up_down_and_scancel(slurm, tmp_path, tiny_model):
+    name = "slurm2"
+    overrides = _overrides(tmp_path, tiny_model, name, "run.max_steps=400")
+    jobs = _submit(slurm, tmp_path, tiny_model, name, 2, "run.max_steps=400")
+    run_dir = tmp_path / "runs" / name
+    diag = _diag(slurm, run_dir)
+    _wait(lambda: len(_rows(run_dir)) >= 2, RUN_TIMEOUT_S, "two learner steps", diag)
+    client = connect((run_dir / "redis_url").read_text().strip())
+    keys = Keys(name)
+    assert client.hget(keys.deploy, "backend") == b"slurm"
+
+    # +1: a third generator job joins the running run; its groups reach the learner.
+    res = _asyncrl("scale", "configs/tiny.yaml", *overrides, "--generators", "+1")
+    assert res.returncode == 0 and "g2" in res.stdout, res.stderr
+    _wait(lambda: any("g2" in r["generators_in_batch"] for r in _rows(run_dir)), RUN_TIMEOUT_S,
+          "a batch with g2's trajectories", diag)
+
+    # -1: the newest generator (g2) drains away: SIGTERM, pushes what it has, exits 0.
+    res = _asyncrl("scale", "configs/tiny.yaml", *overrides, "--generators", "-1")
+    assert res.returncode == 0 and "g2" in res.stdout, res.stderr
+    g2_job = next(job for job, gid, _ in _generator_jobs_all(run_dir) if gid == "g2")
+    _wait(lambda: slurm.job_state(g2_job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), 300,
+          "g2 to drain and leave", diag)
+    assert slurm.job_state(g2_job) == "COMPLETED", diag()
+    leaves = [f for _, f in client.xrange(keys.events) if f[b"kind"] == b"generator_leave"]
+    assert any(f[b"id"] == b"g2" for f in leaves)
+
+    # scancel of g1: the run goes on with g0.
+    subprocess.run(["scancel", jobs["g1"]], check=True)
+    _wait(lambda: slurm.job_state(jobs["g1"]) in ("CANCELLED", "COMPLETED", "FAILED", "GONE"), 300,
+          "g1 to be cancelled", diag)
+    steps_then = len(_rows(run_dir))
+    _wait(lambda: len(_rows(run_dir)) >= steps_then + 2, RUN_TIMEOUT_S, "two more steps after scancel", diag)
+    assert slurm.job_state(jobs["learner"]) == "RUNNING" and slurm.job_state(jobs["core"]) == "RUNNING"
+    assert _rows(run_dir)[-1]["generators_in_batch"] == ["g0"]
+
+    client.set(keys.stop_request, 1)  # finish like at max_steps
+    _wait(lambda: slurm.job_state(jobs["learner"]) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), 300,
+          "the learner to finish", diag)
+    assert slurm.job_state(jobs["learner"]) == "COMPLETED", diag()
+
+
+def _generator_jobs_all(run_dir):
+    """(job, generator id, state) from the logs' names: generator-{gid}-{job}.log."""
+    out = []
+    for p in (run_dir / "logs").glob("generator-*.log"):
+        _, gid, job = p.stem.split("-")
+        out.append((job, gid, ""))
+    return out
