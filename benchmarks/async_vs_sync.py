@@ -174,9 +174,12 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
         while (client.xlen(keys.trajectories) < need + 1 or time.time() - t_start < min_gen_s) \
                 and time.time() < deadline:
             time.sleep(0.2)
-        client.set(keys.stop, "1")  # buffer and generator leave
-        for p in procs.values():
-            p.wait(timeout=180)
+        # The generator leaves first (SIGTERM: it drains while the buffer can still confirm its groups),
+        # then the buffer (the stop key).
+        procs["generator"].terminate()
+        procs["generator"].wait(timeout=240)
+        client.set(keys.stop, "1")
+        procs["buffer"].wait(timeout=60)
         groups = [schema.decode(f[b"data"], schema.TrajectoryGroup)
                   for _, f in client.xrange(keys.trajectories)]
         groups.sort(key=lambda g: g.created_at)
