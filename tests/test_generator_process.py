@@ -1,0 +1,100 @@
+"""A real `asyncrl generator` process (vLLM CPU build) next to a real buffer process, with the test as
+the learner: a mismatching generator refuses to start; a generator started late holds no weights and
+generates nothing until it has received the current version; SIGTERM drains, hands back what it could
+not finish, and leaves cleanly."""
+
+import json
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncrl import sampling, schema
+from asyncrl.config import dump_yaml
+from asyncrl.keys import PROMPT_GROUP, Keys, connect
+from asyncrl.weight_sync import WeightSender, pack_buckets, plan_buckets
+from tests.buffer_support import BufferProcess, wait_for
+from tests.gen_support import perturbed_state
+from tests.helpers import Procs
+
+
+def _gen_info(client, keys, gid):
+    return {k.decode(): v.decode() for k, v in client.hgetall(keys.gen(gid)).items()}
+
+
+def _push_v1(client, keys, sd):
+    """What learner rank 0 does for a late joiner: open an epoch with it, announce, broadcast."""
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=120, sync_timeout_s=120)
+    members = sender.open_epoch(["g0.0"], lambda info: client.set(keys.wgroup, schema.encode(info)),
+                                lambda *a, **k: None)
+    assert members == ["g0.0"]
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in sd.items()], 256 * 1024)
+    ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=1, epoch=sender.epoch,
+                                    buckets=buckets, announced_at=time.time())
+    client.set(keys.wsync, schema.encode(ann))
+    return sender.broadcast(buckets, pack_buckets(buckets, iter(sd.items()), torch.device("cpu")))
+
+
+@pytest.mark.slow
+def test_generator_refusal_late_join_and_sigterm_drain(make_cfg, redis_server, tmp_path, tiny_model):
+    cfg = make_cfg("run.name=gp", "generator.max_tokens=32", "generator.max_concurrent_groups=4",
+                   "learner.batch_groups=16", "generator.drain_timeout_s=0", "logging.prometheus=false",
+                   redis=redis_server)
+    cfg_path = tmp_path / "gp.yaml"
+    cfg_path.write_text(dump_yaml(cfg))
+    keys = Keys(cfg.run.name)
+    client = connect(redis_server.url)
+    # The learner is already at version 1 and has published its sampling settings.
+    client.set(keys.version, 1)
+    client.set(keys.wsync, schema.encode(schema.WeightAnnouncement(
+        schema_version=schema.SCHEMA_VERSION, version=1, epoch=0, buckets=[], announced_at=time.time())))
+    sampling.publish(client, keys, cfg.generator)
+    buffer = BufferProcess(cfg, tmp_path).start(client, keys)
+    procs = Procs(tmp_path)
+    argv = [sys.executable, "-m", "asyncrl", "generator", str(cfg_path)]
+    try:
+        # A generator with another temperature refuses to start, with the reason, before loading vLLM.
+        bad = procs.spawn("g-bad", argv + ["generator.temperature=0.5", "--id", "gbad"])
+        assert bad.wait(timeout=120) != 0
+        assert "refuses to start" in procs.log("g-bad") and "generator.temperature=1.0" in procs.log("g-bad")
+        assert not client.exists(keys.gen("gbad"))
+
+        g0 = procs.spawn("g0", argv + ["--id", "g0"])
+        assert wait_for(lambda: _gen_info(client, keys, "g0").get("state") == "waiting_weights", 180, 0.2), \
+            procs.log("g0")[-3000:]
+        assert client.xlen(keys.prompts) > 0  # prompts are there ...
+        time.sleep(3)
+        info = _gen_info(client, keys, "g0")  # ... but a generator without the current weights takes none
+        assert info["version"] == "-1" and info["tokens"] == "0" and client.xlen(keys.trajectories) == 0
+        assert json.loads(client.get(keys.sampling)) == {k: float(info[f"sampling_{k}"]) for k in sampling.FIELDS}
+
+        sums = {}
+        pusher = threading.Thread(target=lambda: sums.setdefault("v1", _push_v1(client, keys, perturbed_state(
+            tiny_model, 1))), daemon=True)
+        pusher.start()
+        pusher.join(180)
+        assert "v1" in sums, procs.log("g0")[-3000:]
+        assert wait_for(lambda: _gen_info(client, keys, "g0").get("version") == "1", 60, 0.1)
+        assert _gen_info(client, keys, "g0")["checksums"] == ",".join(map(str, sums["v1"]))
+        assert wait_for(lambda: client.xlen(keys.trajectories) >= 2, 180, 0.1), procs.log("g0")[-3000:]
+        assert float(_gen_info(client, keys, "g0")["last_pause_s"]) > 0
+
+        # SIGTERM mid-generation: no new leases; unfinished groups' prompts are handed back at once.
+        g0.send_signal(signal.SIGTERM)
+        assert g0.wait(timeout=120) == 0, procs.log("g0")[-3000:]
+        assert not client.exists(keys.gen("g0"))
+        events = [f[b"kind"].decode() for _, f in client.xrange(keys.events)]
+        assert "generator_leave" in events and "hand_back" in events
+        handed = [int(f[b"num"]) for _, f in client.xrange(keys.events) if f[b"kind"] == b"hand_back"]
+        assert handed and handed[0] >= 1
+        pending = client.xpending_range(keys.prompts, PROMPT_GROUP, min="-", max="+", count=1000, consumername="g0")
+        assert pending == [], "the generator left holding leases"
+        for _, fields in client.xrange(keys.trajectories):
+            group = schema.decode(fields[b"data"], schema.TrajectoryGroup)
+            assert group.generator_id == "g0" and group.min_version() == 1  # every token under the pushed weights
+    finally:
+        procs.close()
+        buffer.stop()
