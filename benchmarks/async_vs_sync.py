@@ -146,6 +146,23 @@ def run_mode(mode: str, base: list[str], out_dir: Path, env: dict) -> dict:
     return stats
 
 
+def _wait_left(proc: subprocess.Popen, client, keys, timeout_s: float = 240) -> None:
+    """Waits for a SIGTERMed generator to exit. Once it has logged `generator_leave` (drained, every
+    group confirmed) a process still alive 30 s later is stuck in engine teardown: it is killed."""
+    from asyncrl.launcher import kill_tree
+
+    deadline, left_at = time.time() + timeout_s, None
+    while proc.poll() is None and time.time() < deadline:
+        if left_at is None and any(f.get(b"kind") == b"generator_leave" for _, f in client.xrange(keys.events)):
+            left_at = time.time()
+        if left_at is not None and time.time() - left_at > 30:
+            print("generator left but its process did not exit within 30 s: killed", flush=True)
+            kill_tree(proc.pid, 9)
+            break
+        time.sleep(0.5)
+    proc.wait(timeout=30)
+
+
 def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_s: float) -> dict:
     """Generator alone (no learner consuming), then the learner alone on what it generated."""
     from asyncrl import schema
@@ -177,7 +194,7 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
         # The generator leaves first (SIGTERM: it drains while the buffer can still confirm its groups),
         # then the buffer (the stop key).
         procs["generator"].terminate()
-        procs["generator"].wait(timeout=240)
+        _wait_left(procs["generator"], client, keys)
         client.set(keys.stop, "1")
         procs["buffer"].wait(timeout=60)
         groups = [schema.decode(f[b"data"], schema.TrajectoryGroup)
