@@ -15,6 +15,7 @@ Redis first, then each bucket is broadcast from rank 0. gloo on CPU, NCCL on CUD
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -62,11 +63,30 @@ def plan_buckets(metas: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], buck
     return buckets
 
 
-def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float):
-    """A process group outside torch.distributed's global state (so it can coexist with torchrun's)."""
+def local_address_towards(host: str, port: int) -> str:
+    """The address of this machine's interface that routes to `host` (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, address: str = ""):
+    """A process group outside torch.distributed's global state (so it can coexist with torchrun's).
+
+    gloo binds to `address` (the interface that reaches the learner) unless GLOO_SOCKET_IFNAME is
+    set: by default gloo resolves the hostname, which on some machines names an unreachable address.
+    """
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        if os.environ.get("GLOO_SOCKET_IFNAME"):
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"])]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address or "127.0.0.1")]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -132,7 +152,8 @@ class WeightSender:
                 members = [m for m in members if m not in missing]
                 continue
             ps.set("decision", "go")
-            self.pg = new_group(dist.PrefixStore("pg", ps), 0, len(members) + 1, self.backend, self.sync_timeout_s)
+            self.pg = new_group(dist.PrefixStore("pg", ps), 0, len(members) + 1, self.backend, self.sync_timeout_s,
+                                address=self.host)
             self.members = members
             on_event("epoch_open", epoch=self.epoch, members=",".join(members))
             log.info("weight group epoch=%d members=%s", self.epoch, members)
@@ -198,7 +219,8 @@ class WeightReceiver:
             return False
         if info.backend == "nccl":
             torch.cuda.set_device(torch.cuda.current_device())
-        self.pg = new_group(dist.PrefixStore("pg", ps), rank, len(info.members) + 1, info.backend, timeout_s)
+        self.pg = new_group(dist.PrefixStore("pg", ps), rank, len(info.members) + 1, info.backend, timeout_s,
+                            address=local_address_towards(info.addr, info.port))
         self.epoch = info.epoch
         self.backend = info.backend
         return True

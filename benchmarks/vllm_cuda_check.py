@@ -126,7 +126,15 @@ async def greedy(engine, prompts, max_tokens):
     return outs
 
 
+def stage(msg):
+    print(f"== {time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
 def main():
+    asyncio.run(amain())
+
+
+async def amain():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="vllm_cuda_check.json")
     ap.add_argument("--work", default="/tmp/asyncrl-cuda")
@@ -144,7 +152,9 @@ def main():
     hf = write_model(tiny_path, tiny_config(128), torch.float32)
     cfg = load_config(None, [f"model.path={tiny_path}", "generator.dtype=float32", "generator.enforce_eager=false",
                              "generator.gpu_memory_utilization=0.3", "generator.max_model_len=256"])
+    stage("tiny engine start")
     engine = VllmEngine(cfg, tiny_path)
+    stage("tiny engine up; HF greedy")
     torch.manual_seed(1)
     with torch.no_grad():
         for p in hf.parameters():
@@ -157,8 +167,11 @@ def main():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                           eos_token_id=2, pad_token_id=0)
         want.append(out[0, len(p):].tolist())
-    results["tiny_push"] = asyncio.run(push(engine, {k: v.detach().cpu() for k, v in hf.state_dict().items()}, 1, "gt")())
-    got = asyncio.run(greedy(engine, prompts, 16))
+    stage("tiny push")
+    results["tiny_push"] = await push(engine, {k: v.detach().cpu() for k, v in hf.state_dict().items()}, 1, "gt")()
+    stage("tiny greedy")
+    got = await greedy(engine, prompts, 16)
+    stage(f"tiny equal={got == want}")
     results["tiny_greedy_equal"] = got == want
     results["tiny_greedy_mismatches"] = sum(a != b for a, b in zip(got, want, strict=True))
     engine.shutdown()
@@ -171,7 +184,9 @@ def main():
     cfg = load_config(None, [f"model.path={q_path}", "generator.dtype=bfloat16", "generator.enforce_eager=false",
                              "generator.gpu_memory_utilization=0.6", "generator.max_model_len=2048",
                              "generator.max_tokens=512", "generator.temperature=1.0"])
+    stage("q05 engine start")
     engine = VllmEngine(cfg, q_path)
+    stage("q05 throughput")
     import random
 
     rng = random.Random(0)
@@ -185,10 +200,11 @@ def main():
         raw2 = await raw_throughput(engine, bench_prompts, n, 512)
         return raw, ours, raw2
 
-    raw, ours, raw2 = asyncio.run(both())
+    raw, ours, raw2 = await both()
     results["q05_tokens_per_s"] = {"raw_engine": raw, "asyncrl_generate_group": ours, "raw_engine_again": raw2,
                                    "ratio": ours / ((raw + raw2) / 2)}
-    results["q05_push"] = asyncio.run(push(engine, {k: v.detach() for k, v in q.state_dict().items()}, 1, "gq")())
+    stage(f"q05 push after {results['q05_tokens_per_s']}")
+    results["q05_push"] = await push(engine, {k: v.detach() for k, v in q.state_dict().items()}, 1, "gq")()
     engine.shutdown()
     print(json.dumps(results, indent=2))
     with open(args.out, "w") as f:
