@@ -62,13 +62,21 @@ def _role_actor_class():
         """Runs one role's entry point as a subprocess; dies with it never silently (poll() says)."""
 
         def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+            import ray
+
             self.name, self.argv, self.env = name, argv, env
             self.proc = None
-            self.spawn()
+            # Restarted by Ray (its node or process died): a generator comes back under a fresh id, so
+            # the learner sees a new member and opens a weight-group epoch for it.
+            self.spawn(fresh_id=ray.get_runtime_context().was_current_actor_reconstructed)
 
-        def spawn(self) -> int:
+        def spawn(self, fresh_id: bool = False) -> int:
             import ctypes
             import signal
+
+            if fresh_id and "--id" in self.argv:
+                i = self.argv.index("--id") + 1
+                self.argv[i] = f"{self.argv[i].split('r')[0]}r{int(time.time() * 1000) % 10**8}"
 
             def die_with_actor():  # the role must not outlive a killed actor (Linux: PR_SET_PDEATHSIG)
                 ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
@@ -239,7 +247,7 @@ class RayDriver:
             self.num_restarts += 1
             print(f"asyncrl ray driver: generator {gid} exited with {code}: restarting it", flush=True)
             log_event(client, keys, "restart", id=gid, backend="ray", code=code)
-            self.ray.get(actor.spawn.remote())
+            self.ray.get(actor.spawn.remote(fresh_id=True))
 
     def _scale(self, delta: int, client, keys, log_event) -> None:
         if delta > 0:

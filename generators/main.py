@@ -279,6 +279,18 @@ class Generator:
                 self.stopping.set()
             await asyncio.sleep(0.5)
 
+    async def _leave_weight_group(self) -> None:
+        """A drained generator stays for broadcasts until the learner has re-formed the weight group
+        without it (draining members are left out of the next epoch): leaving in the middle of a
+        broadcast would break the other members' receive. Bounded by the join and sync timeouts."""
+        w = self.cfg.weights
+        deadline = time.monotonic() + w.join_timeout_s + w.sync_timeout_s
+        while self.epoch >= 0 and time.monotonic() < deadline and not await self.redis.exists(self.keys.stop):
+            frame = await self.redis.get(self.keys.wgroup)
+            if not frame or not any(m.startswith(f"{self.id}.") for m in schema.decode(frame, schema.GroupEpoch).members):
+                return
+            await asyncio.sleep(0.1)
+
     def _secure_socket(self, sock) -> bool:
         return security.secure_client_socket(self.cfg, sock)
 
@@ -309,6 +321,7 @@ class Generator:
             if not await self.outbox.drain(timeout_s=60):
                 log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
                             self.id, len(self.outbox))
+            await self._leave_weight_group()
         finally:
             for h in helpers:
                 h.cancel()
