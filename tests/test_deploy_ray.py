@@ -23,7 +23,7 @@ def ray_head(tmp_path_factory):
     pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'asyncrl[ray]')")
     port, dash = free_port(), free_port()
     tmp = tmp_path_factory.mktemp("ray")
-    res = subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
+    res = subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--node-ip-address=127.0.0.1", "--include-dashboard=true",
                           f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
                           f"--temp-dir={tmp}"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -78,6 +78,8 @@ def test_submit_ray_runs_to_completion_and_survives_a_killed_generator(ray_head,
         log.close()
     rows = _rows(run_dir)
     assert rows[-1]["step"] == 8
+    # The restarted generator (a fresh id, g0r...) joined the run: its groups reached the learner.
+    assert any(g.startswith("g0r") for r in rows for g in r["generators_in_batch"]), rows
     out = (tmp_path / "submit.log").read_text()
     assert "[gen-g0] started" in out and "learner exited with 0" in out  # the driver's log, streamed back
     # The restarted actor spawned a second generator process with the same id.
