@@ -53,6 +53,8 @@ def render(name: str, cfg: Config, plan: SlurmPlan, config_path: Path) -> str:
         # One learner node: its rendezvous stays on localhost; several: the first node of the allocation.
         "HEAD": "127.0.0.1" if plan.learner_nodes == 1 else
                 '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        # Bound to all interfaces: the learner publishes its weight-group store under the node's name.
+        "NODE_OVERRIDES": '"deploy.bind_host=$(hostname)"' if cfg.deploy.bind_host in ("0.0.0.0", "::") else "",
         "SBATCH_GPUS": f"#SBATCH --gpus-per-node={gpus}" if gpus else "",
         "SBATCH_EXTRA": _sbatch_lines(cfg, plan),
     }

@@ -10,22 +10,24 @@ import pytest
 from asyncrl.elastic import parse_delta
 
 
-def _dry_run(tmp_path, *args):
+def _dry_run(tmp_path, *args, overrides=()):
     res = subprocess.run([sys.executable, "-m", "asyncrl", "submit", "slurm", "configs/tiny.yaml",
                           f"run.dir={tmp_path}", "run.name=r1", "learner.nproc=4", "learner.batch_groups=8",
-                          'deploy.slurm_extra=["--account=rl"]', "--dry-run", *args],
+                          'deploy.slurm_extra=["--account=rl"]', *overrides, "--dry-run", *args],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     return res.stdout
 
 
 def test_dry_run_multi_node_scripts(tmp_path):
-    out = _dry_run(tmp_path, "--learner-nodes", "2", "--gpus-per-node", "8", "--partition", "gpu")
+    out = _dry_run(tmp_path, "--learner-nodes", "2", "--gpus-per-node", "8", "--partition", "gpu",
+                   overrides=["deploy.bind_host=0.0.0.0"])
     core, learner, generator = out.split("# ---- ")[1:4]
     assert "--job-name=asyncrl-r1-core" in core and "asyncrl.deploy_core core" in core
     assert "#SBATCH --nodes=2" in learner and "#SBATCH --gpus-per-node=8" in learner
-    assert "--nnodes 2 --nproc-per-node 4" in learner and "scontrol show hostnames" in learner
+    assert "--nnodes 2" in learner and "--nproc-per-node 4" in learner and "scontrol show hostnames" in learner
     assert "srun" in learner and "--rdzv-backend c10d" in learner
+    assert '"deploy.bind_host=$(hostname)"' in learner  # each node publishes its own name
     for script in (core, learner, generator):
         assert "#SBATCH --partition=gpu" in script and "#SBATCH --account=rl" in script
         assert "@@" not in script
@@ -35,7 +37,7 @@ def test_dry_run_multi_node_scripts(tmp_path):
 
 def test_dry_run_single_node_cpu(tmp_path):
     learner = _dry_run(tmp_path).split("# ---- ")[2]
-    assert "HEAD=127.0.0.1" in learner and "--gpus-per-node" not in learner
+    assert "HEAD=127.0.0.1" in learner and "#SBATCH --gpus-per-node" not in learner and '"deploy.bind_host=$(hostname)"' not in learner
 
 
 @pytest.mark.parametrize("text,delta", [("+1", 1), ("-2", -2), ("+10", 10)])
