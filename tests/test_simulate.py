@@ -104,6 +104,9 @@ def test_winner_prefers_the_least_stale_mode_within_the_margin():
     assert winner(rows(97, 99, 100)) == "sync"
     assert winner(rows(80, 96, 100)) == "one_step_off"
     assert winner(rows(50, 60, 100)) == "async"
+    close = rows(90, 99, 100)
+    close[1]["lag_mean"], close[2]["lag_mean"] = 1.0, 0.3  # async is within the margin and fresher
+    assert winner(close) == "async"
 
 
 def test_a_long_tail_hurts_sync_more_than_async():
