@@ -185,6 +185,9 @@ class WeightsConfig:
     mode: Literal["keep", "abort", "drain"] = "keep"
     sync_every: int = 1
     bucket_mb: float = 64.0
+    # Generators stage all buckets before loading, so a failed broadcast leaves old, whole weights;
+    # false streams bucket by bucket into the model (less memory, but a failure mid-way is fatal).
+    atomic: bool = True
     join_timeout_s: float = 30.0  # members that do not join a new group epoch by then are dropped
     sync_timeout_s: float = 60.0  # a broadcast that does not finish by then fails the epoch
     port: int = 0  # 0: a free port for the weight group's TCPStore

@@ -54,13 +54,17 @@ def plan_buckets(metas: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], buck
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         offset = -(-used // ALIGN) * ALIGN
         if current and offset + nbytes > bucket_bytes:
-            buckets.append(Bucket(nbytes=used, tensors=current))
+            buckets.append(Bucket(nbytes=_pad(used), tensors=current))
             current, used, offset = [], 0, 0
         current.append(TensorMeta(name=name, dtype=dtype_name(dtype), shape=list(shape), offset=offset, nbytes=nbytes))
         used = offset + nbytes
     if current:
-        buckets.append(Bucket(nbytes=used, tensors=current))
+        buckets.append(Bucket(nbytes=_pad(used), tensors=current))
     return buckets
+
+
+def _pad(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -94,20 +98,23 @@ def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: 
     raise ValueError(f"unknown weight-group backend {backend!r}")
 
 
-def _broadcast(pg, tensor: torch.Tensor, timeout_s: float) -> None:
+def _start_broadcast(pg, tensor: torch.Tensor, timeout_s: float):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.timeout = timedelta(seconds=timeout_s)
-    work = pg.broadcast([tensor], opts)
+    return pg.broadcast([tensor], opts)
+
+
+def _wait(work, timeout_s: float) -> None:
     if not work.wait(timedelta(seconds=timeout_s)):
         raise SyncTimeout(f"broadcast did not finish in {timeout_s}s")
 
 
 def bucket_checksum(buf: torch.Tensor) -> int:
-    """A cheap order-sensitive-enough checksum of a flat uint8 bucket, equal on sender and receivers."""
-    words = buf[: buf.numel() // 4 * 4].view(torch.int32).to(torch.int64)
-    weights = torch.arange(1, words.numel() + 1, device=buf.device, dtype=torch.int64) % 65521
-    return int((words * weights).sum().item()) & 0xFFFFFFFFFFFF
+    """A cheap checksum of a flat uint8 bucket, identical on CPU and CUDA: the wrapping int64 sum of
+    its 8-byte words, one pass of memory bandwidth (it catches lost, truncated or corrupted buckets,
+    not reorderings). Buckets are padded to whole words by `plan_buckets`."""
+    return int(buf.view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
 
 
 class WeightSender:
@@ -162,11 +169,18 @@ class WeightSender:
     def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor]) -> list[int]:
         """Broadcasts each flat bucket (already packed) in order; returns their checksums."""
         assert self.pg is not None, "broadcast without a group"
-        sums = []
+        # Pipelined: bucket k is on the wire while bucket k+1 is gathered and packed (the zip pulls
+        # the next one only after k's broadcast was started), so at most two buckets are alive.
+        sums, in_flight = [], None
         for bucket, buf in zip(buckets, bucket_tensors, strict=True):
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
-            _broadcast(self.pg, buf, self.sync_timeout_s)
-            sums.append(bucket_checksum(buf))
+            work = _start_broadcast(self.pg, buf, self.sync_timeout_s)
+            if in_flight is not None:
+                _wait(in_flight, self.sync_timeout_s)
+            sums.append(bucket_checksum(buf))  # read-only while it is being sent
+            in_flight = work
+        if in_flight is not None:
+            _wait(in_flight, self.sync_timeout_s)
         return sums
 
     def drop_group(self) -> None:
@@ -181,11 +195,16 @@ def pack_buckets(buckets: list[Bucket], tensors: Iterator[tuple[str, torch.Tenso
                  device: torch.device) -> Iterator[torch.Tensor]:
     """Consumes (name, full tensor) in plan order and yields one filled flat buffer per bucket.
 
-    Only one bucket is alive at a time, so peak memory is one bucket plus one gathered tensor.
+    Two buffers of the largest bucket's size are reused in turn (the sender has finished sending a
+    buffer before it asks for the bucket after next), so peak memory is two buckets plus one gathered
+    tensor and no page is faulted in twice.
     """
     it = iter(tensors)
-    for bucket in buckets:
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    size = max((b.nbytes for b in buckets), default=0)
+    pool = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(buckets)))]
+    for i, bucket in enumerate(buckets):
+        buf = pool[i % 2][: bucket.nbytes]
+        buf[-8:].zero_()  # padding bytes take part in the checksum
         for meta in bucket.tensors:
             name, t = next(it)
             assert name == meta.name, f"tensor order changed: {name} != {meta.name}"
@@ -232,9 +251,18 @@ class WeightReceiver:
         if self.backend == "gloo":
             device = torch.device("cpu")  # gloo moves host memory; the loader copies to the GPU
         self.checksums = []
-        for bucket in ann.buckets:
+
+        def post(bucket):
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-            _broadcast(self.pg, buf, timeout_s)
+            return buf, _start_broadcast(self.pg, buf, timeout_s)
+
+        # Pipelined like the sender: bucket k+1 is already being received while the loader copies
+        # bucket k's tensors. Each bucket is a fresh buffer: the loader may keep views of it.
+        nxt = post(ann.buckets[0]) if ann.buckets else None
+        for i, bucket in enumerate(ann.buckets):
+            buf, work = nxt
+            _wait(work, timeout_s)
+            nxt = post(ann.buckets[i + 1]) if i + 1 < len(ann.buckets) else None
             self.checksums.append(bucket_checksum(buf))
             for meta in bucket.tensors:
                 view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)

@@ -229,7 +229,9 @@ class Generator:
                 continue
             if self.state != "syncing":
                 self.state = "generating"
-            free = cap - len(self.inflight) - len(self.outbox)  # held groups count: a full buffer stops leasing
+            # Groups waiting in the outbox for ingest confirmation no longer use the engine; they count
+            # only past `cap` of them, so a stalled or full buffer still stops leasing (backpressure).
+            free = cap - len(self.inflight) - max(0, len(self.outbox) - cap)
             if free <= 0:
                 await asyncio.sleep(0.01)
                 continue

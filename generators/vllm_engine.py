@@ -77,7 +77,8 @@ class VllmEngine:
         temperature = g.temperature if temperature is None else temperature  # 0.0: greedy (evaluation)
         return SamplingParams(n=n, temperature=temperature, top_p=g.top_p, top_k=max(g.top_k, 0),
                               max_tokens=g.max_tokens if max_tokens is None else max_tokens, logprobs=0,
-                              output_kind=RequestOutputKind.DELTA)
+                              output_kind=RequestOutputKind.DELTA,
+                              detokenize=False)  # we decode for rewards ourselves; the engine need not
 
     def _stamp(self, version: Callable[[], int]) -> int:
         # The version of the weights loaded in the engine once it has taken an update: exact even for
@@ -148,7 +149,11 @@ class VllmEngine:
                                            clear_cache=True)
         t_paused = time.perf_counter()
         try:
-            results = await self.engine.collective_rpc("asyncrl_receive", args=(announcement_frame, timeout_s))
+            results = await self.engine.collective_rpc("asyncrl_receive",
+                                                       args=(announcement_frame, timeout_s, self.cfg.weights.atomic))
+            errors = [r["error"] for r in results if r.get("error")]
+            if errors:  # nothing was loaded: the engine keeps its previous weights and version
+                raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
             self.loaded_version = version
         finally:
             await self.engine.resume_generation()

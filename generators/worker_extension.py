@@ -25,13 +25,23 @@ class AsyncRLWorkerExtension:
             receiver = self._asyncrl_receiver = WeightReceiver(member_id)
         return receiver.join(info, timeout_s)
 
-    def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float) -> dict:
+    def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float, atomic: bool = True) -> dict:
         from vllm.config import set_current_vllm_config
 
         ann = schema.decode(announcement_frame, schema.WeightAnnouncement)
         receiver: WeightReceiver = self._asyncrl_receiver
         t0 = time.perf_counter()
         weights = receiver.receive(ann, torch.device(self.device), timeout_s)
+        if atomic:
+            # Receive every bucket before touching the model: a broadcast that fails part-way (a peer
+            # died) then leaves the engine on its old, consistent weights instead of a half-loaded
+            # model. Costs one staged copy of the weights (weights.atomic=false streams instead).
+            # The failure is returned, not raised, so it never reaches vLLM's engine core.
+            try:
+                weights = iter(list(weights))
+            except Exception as e:  # noqa: BLE001 - reported to the generator process, which logs it
+                receiver.pg = None
+                return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         for _ in weights:  # every bucket must be received, or the learner's broadcast would wait

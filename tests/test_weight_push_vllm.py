@@ -2,6 +2,7 @@
 what the learner's own Hugging Face model generates with the same weights, token for token."""
 
 import asyncio
+import multiprocessing as mp
 import time
 
 import pytest
@@ -37,6 +38,25 @@ async def _vllm_greedy(engine, tok, prompts, max_tokens):
             final = out
         outs.append(list(final.outputs[0].token_ids))
     return outs
+
+
+def _dying_sender(epochs, go):
+    """A learner process that opens an epoch, sends one bucket of garbage-free random weights of a
+    bigger layout, then dies like kill -9."""
+    import os
+
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=60, sync_timeout_s=60)
+    sender.open_epoch(["gtest.0"], lambda info: epochs.put(schema.encode(info)), lambda *a, **k: None)
+    tensors = {f"model.layers.0.mlp.down_proj.weight.{i}": torch.randn(128, 256) for i in range(4)}
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], 128 * 1024)
+    ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=2, epoch=sender.epoch,
+                                    buckets=buckets, announced_at=time.time())
+    go.put(schema.encode(ann))
+    it = pack_buckets(buckets, iter(tensors.items()), torch.device("cpu"))
+    from asyncrl.weight_sync import _start_broadcast, _wait
+
+    _wait(_start_broadcast(sender.pg, next(it), 60), 60)
+    os._exit(9)
 
 
 @pytest.mark.slow
@@ -77,11 +97,26 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
         stats = await engine.update_weights(schema.encode(ann), "keep", 60)
         assert stats["checksums"] == await sent
         after = await _vllm_greedy(engine, tok, PROMPTS, 12)
-        return before, after
+
+        # A learner that dies after the first bucket of the next push: the receive fails, nothing is
+        # loaded (weights.atomic), and the engine keeps serving the weights it had, unharmed.
+        ctx = mp.get_context("spawn")
+        epochs, go = ctx.Queue(), ctx.Queue()
+        dying = ctx.Process(target=_dying_sender, args=(epochs, go))
+        dying.start()
+        frame = await loop.run_in_executor(None, epochs.get, True, 120)
+        assert await engine.join(frame, "gtest", 60)
+        ann_frame = await loop.run_in_executor(None, go.get, True, 120)
+        with pytest.raises(RuntimeError, match="weight receive failed"):
+            await engine.update_weights(ann_frame, "keep", 20)
+        after_failure = await _vllm_greedy(engine, tok, PROMPTS, 12)
+        dying.join(timeout=30)
+        return before, after, after_failure
 
     try:
-        before, after = asyncio.run(scenario())
+        before, after, after_failure = asyncio.run(scenario())
     finally:
         engine.shutdown()
     assert before != want, "the perturbation should change greedy output, or the test proves nothing"
     assert after == want
+    assert after_failure == want, "a failed push must leave the engine on its previous weights"
