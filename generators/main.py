@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import zmq.asyncio
@@ -344,3 +345,10 @@ def main(cfg: Config, generator_id: str) -> None:
     except ImportError:
         pass
     asyncio.run(Generator(cfg, generator_id).run())
+    # Everything is released at this point (heartbeat deleted, outbox drained, engine shut down), but
+    # a non-daemon thread left by a library can keep the interpreter from exiting; a generator that
+    # said it left must be gone, so end the process here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
