@@ -3,7 +3,6 @@ exactly the trajectories that were delivered but not yet covered by a checkpoint
 curve continues that of an uninterrupted run on the same data."""
 
 import json
-import random
 import signal
 import subprocess
 import sys
@@ -17,24 +16,13 @@ from asyncrl.keys import Keys, connect
 from asyncrl.launcher import kill_tree
 from asyncrl.redis_server import LocalRedis
 from asyncrl.store import LEARNER_GROUP, ensure_groups
+from tests.helpers import fixed_groups
 
 STEPS, GROUPS = 6, 4
 
 
-def _groups(seed=0):
-    rng = random.Random(seed)
-    out = []
-    for i in range(STEPS * GROUPS):
-        samples = []
-        for _ in range(4):
-            n = rng.randint(2, 6)
-            samples.append(schema.Sample(completion_ids=schema.pack_i32([rng.randint(3, 97) for _ in range(n)]),
-                                         logprobs=schema.pack_f32([-rng.uniform(0.5, 5) for _ in range(n)]),
-                                         versions=schema.pack_i32([0] * n), reward=rng.random()))
-        out.append(schema.TrajectoryGroup(schema_version=1, group_id=f"p{i}@e0", prompt_id=f"p{i}", generator_id="fixed",
-                                          prompt_ids=schema.pack_i32([13, 14, 15, 83]), samples=samples,
-                                          sampling=schema.SamplingInfo(1.0, 1.0, -1), created_at=time.time()))
-    return out
+def _groups():
+    return fixed_groups(STEPS * GROUPS)
 
 
 def _setup(tmp_path, name, tiny_model, num_groups=STEPS * GROUPS):

@@ -2,10 +2,8 @@
 the reference stays the frozen initial model, and world size 2 makes the same update as world size 1."""
 
 import json
-import random
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -15,23 +13,7 @@ from asyncrl.config import dump_yaml, load_config
 from asyncrl.keys import Keys, connect
 from asyncrl.redis_server import LocalRedis
 from asyncrl.store import ensure_groups
-
-
-def fixed_groups(num, seed=0, n=4):
-    rng = random.Random(seed)
-    out = []
-    for i in range(num):
-        samples = []
-        for _ in range(n):
-            k = rng.randint(2, 6)
-            samples.append(schema.Sample(completion_ids=schema.pack_i32([rng.randint(3, 97) for _ in range(k)]),
-                                         logprobs=schema.pack_f32([-rng.uniform(0.5, 5) for _ in range(k)]),
-                                         versions=schema.pack_i32([0] * k), reward=float(rng.random() > 0.5)))
-        out.append(schema.TrajectoryGroup(schema_version=1, group_id=f"p{i}@e0", prompt_id=f"p{i}",
-                                          generator_id="fixed", prompt_ids=schema.pack_i32([13, 14, 15, 83]),
-                                          samples=samples, sampling=schema.SamplingInfo(1.0, 1.0, -1),
-                                          created_at=time.time()))
-    return out
+from tests.helpers import fixed_groups
 
 
 def run_learner(tmp_path, tiny_model, name, overrides, steps=3, groups_per_step=4, timeout=600):
