@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from asyncrl import schema
-from asyncrl.algorithms import grpo_advantages
+from asyncrl.advantages import grpo
 
 
 @dataclass
@@ -33,7 +33,7 @@ def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, norm_std: boo
     seqs, masks, behav, vers, advs, rewards = [], [], [], [], [], []
     for g in groups:
         r = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
-        adv = grpo_advantages(r[None, :], norm_std=norm_std)[0]
+        adv = grpo(r[None, :], norm_std=norm_std)[0]
         prompt = schema.unpack_i32(g.prompt_ids)
         for s, a in zip(g.samples, adv, strict=True):
             comp = schema.unpack_i32(s.completion_ids)

@@ -4,7 +4,9 @@ import math
 
 import torch
 
-from asyncrl.algorithms import aggregate, decoupled_ppo_loss, grpo_advantages, token_logprobs
+from asyncrl.advantages import grpo as grpo_advantages
+from asyncrl.algorithms import aggregate, token_logprobs
+from asyncrl.losses import decoupled_ppo
 
 
 def test_grpo_advantages_by_hand():
@@ -32,12 +34,13 @@ def test_decoupled_ppo_by_hand_with_clip_and_behaviour_cap():
     prox = torch.tensor([[-1.5, -2.0, -9.0]])
     behav = torch.tensor([[-1.6, -4.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    adv = torch.tensor([1.0])
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, clip_low=0.2, clip_high=0.2, is_cap=2.0)
+    adv = torch.ones(1, 3)
+    loss_BT, stats = decoupled_ppo(logp, prox, behav, adv, mask, clip_low=0.2, clip_high=0.2, is_cap=2.0)
+    loss = aggregate(loss_BT, mask, "token_mean")
     expected = -(math.exp(0.1) * 1.2 + 2.0 * 1.0) / 2
     assert abs(loss.item() - expected) < 1e-5
-    assert abs(stats.is_weight_max - 2.0) < 1e-6 and stats.is_capped_frac == 0.5
-    assert stats.clip_frac == 0.5
+    assert abs(stats["is_weight_max"] - 2.0) < 1e-6
+    assert stats["clip_frac_high"] == 0.5 and stats["clip_frac_low"] == 0.0
     loss.backward()
     # Clipped token gets no gradient; the unclipped one gets -w * ratio / num_tokens.
     assert logp.grad[0, 0].item() == 0.0
@@ -51,7 +54,8 @@ def test_decoupled_equals_plain_ppo_when_behaviour_is_proximal():
     prox = logp.detach() + 0.1 * torch.randn(3, 5)
     adv = torch.randn(3)
     mask = (torch.rand(3, 5) > 0.3).float()
-    loss, _ = decoupled_ppo_loss(logp, prox, prox, adv, mask, 0.2, 0.28, 2.0)
+    loss_BT, _ = decoupled_ppo(logp, prox, prox, adv[:, None].expand(3, 5), mask, 0.2, 0.28, 2.0)
+    loss = aggregate(loss_BT, mask, "token_mean")
     ratio = torch.exp(logp - prox)
     plain = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None])
     assert torch.allclose(loss, (plain * mask).sum() / mask.sum(), atol=1e-6)
