@@ -173,7 +173,7 @@ class Simulator:
 
     def _lease_all(self) -> None:
         self._release()
-        for g in list(self.free):
+        for g in sorted(self.free, key=lambda g: g.idx):  # index order: a set of objects iterates by address
             if self.leased >= self.released:
                 return
             if not self._may_lease(g):

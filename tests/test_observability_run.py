@@ -95,7 +95,8 @@ def wandb_history(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, tiny_model):
-    steps = 8
+    # Long enough for every check below on a slow machine; ended with stop_request once they are done.
+    steps = 1000
     run_dir = tmp_path / "runs" / "obs"
     log = tmp_path / "launcher.log"
     argv = [sys.executable, "-m", "asyncrl", "run", f"run.dir={tmp_path / 'runs'}", "run.name=obs",
@@ -169,7 +170,10 @@ def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, 
                             "--samples", "1", "--no-current"], capture_output=True, text=True, timeout=180)
         assert r.returncode == 0 and "behaviour lp" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
+        client.set(keys.stop_request, 1)  # the learner ends the run as if at max_steps
         assert proc.wait(timeout=600) == 0, _tail(log)
+        steps = len(_rows(run_dir))
+        assert steps >= 2
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
