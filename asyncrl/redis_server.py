@@ -25,7 +25,7 @@ class LocalRedis:
         if exe is None:
             raise FileNotFoundError("redis-server not found: install it (Debian: apt-get install -y redis-server) "
                                     "or pass buffer.redis_url=redis://HOST:PORT/0")
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()  # redis-server chdirs to --dir before opening --logfile
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
         self.port = port or free_port(host)
