@@ -285,9 +285,11 @@ class Generator:
     async def _leave_weight_group(self) -> None:
         """A drained generator stays for broadcasts until the learner has re-formed the weight group
         without it (draining members are left out of the next epoch): leaving in the middle of a
-        broadcast would break the other members' receive. Bounded by the join and sync timeouts."""
+        broadcast would fail that sync for the other members (their receive is atomic, so they keep
+        their weights, but they wait for the next epoch). Bounded by weights.join_timeout_s: the
+        learner drops a draining member at its next sync or fleet check, well within that."""
         w = self.cfg.weights
-        deadline = time.monotonic() + w.join_timeout_s + w.sync_timeout_s
+        deadline = time.monotonic() + w.join_timeout_s
         while self.epoch >= 0 and time.monotonic() < deadline and not await self.redis.exists(self.keys.stop):
             frame = await self.redis.get(self.keys.wgroup)
             if not frame or not any(m.startswith(f"{self.id}.") for m in schema.decode(frame, schema.GroupEpoch).members):
