@@ -321,10 +321,6 @@ class Config:
 # ---- loading -------------------------------------------------------------------------------------
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Checks (and for strings from the command line, converts) `value` against the annotation `tp`."""
     origin = typing.get_origin(tp)

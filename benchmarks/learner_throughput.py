@@ -178,7 +178,7 @@ def setup_rl(shape, device, batch, seq, compile_):
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=cfg.learner.weight_decay,
                             fused=device.type == "cuda")
     groups = make_groups(batch, seq, prompt_len=max(1, seq // 8), vocab=policy.config.vocab_size, seed=0)
-    b = build_batch(groups, 0, norm_std=True, device=device)
+    b = build_batch(groups, 0, device=device)
     assert tuple(b.input_ids_BL.shape) == (batch, seq)
     share = 1.0  # world size 1: this rank holds all the tokens
     last = {}

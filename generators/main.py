@@ -90,15 +90,6 @@ class Generator:
         await self.redis.xadd(self.keys.events, {"kind": "generator_join", "id": self.id, "t": f"{time.time():.3f}"})
         log.info("generator %s up: ingest=%s version=%d", self.id, addr, self.version)
 
-    async def _wait_for(self, key: str, what: str, timeout_s: float = 300) -> bytes:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = await self.redis.get(key)
-            if value:
-                return value
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"waited {timeout_s}s for {what} ({key}); is `asyncrl buffer` running?")
-
     # ---- heartbeat and weights -----------------------------------------------------------------
 
     async def heartbeat(self) -> None:

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from asyncrl import schema
-from asyncrl.advantages import grpo
 
 
 @dataclass
@@ -20,7 +19,6 @@ class Batch:
     loss_mask_BT: torch.Tensor
     behav_logp_BT: torch.Tensor
     versions_BT: torch.Tensor
-    adv_B: torch.Tensor  # GRPO advantages (the default); learners/step.py recomputes per algorithm.advantage
     rewards_B: torch.Tensor
     group_size: int = 0  # samples per group; 0 when groups differ in size
 
@@ -29,20 +27,19 @@ class Batch:
         return int(self.loss_mask_BT.sum())
 
 
-def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, norm_std: bool, device) -> Batch:
-    seqs, masks, behav, vers, advs, rewards = [], [], [], [], [], []
+def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, device) -> Batch:
+    """Advantages are not computed here: learners/step.py derives them from rewards_B per
+    algorithm.advantage."""
+    seqs, masks, behav, vers, rewards = [], [], [], [], []
     for g in groups:
-        r = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
-        adv = grpo(r[None, :], norm_std=norm_std)[0]
         prompt = schema.unpack_i32(g.prompt_ids)
-        for s, a in zip(g.samples, adv, strict=True):
+        for s in g.samples:
             comp = schema.unpack_i32(s.completion_ids)
             seqs.append(np.concatenate([prompt, comp]))
             # Token j of the sequence is predicted at position j-1; completion tokens start at len(prompt).
             masks.append((len(prompt), len(comp)))
             behav.append(schema.unpack_f32(s.logprobs))
             vers.append(schema.unpack_i32(s.versions))
-            advs.append(float(a))
             rewards.append(s.reward)
     B, L = len(seqs), max(len(x) for x in seqs)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -60,5 +57,5 @@ def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, norm_std: boo
     return Batch(input_ids_BL=input_ids.to(device), attention_mask_BL=attn.to(device),
                  targets_BT=input_ids[:, 1:].to(device), loss_mask_BT=loss_mask.to(device),
                  behav_logp_BT=behav_t.to(device), versions_BT=vers_t.to(device),
-                 adv_B=torch.tensor(advs, device=device), rewards_B=torch.tensor(rewards, device=device),
+                 rewards_B=torch.tensor(rewards, device=device),
                  group_size=sizes.pop() if len(sizes := {len(g.samples) for g in groups}) == 1 else 0)

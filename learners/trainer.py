@@ -343,7 +343,7 @@ class Learner:
     def train_step(self, groups: list[schema.TrajectoryGroup]) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        batch = build_batch(groups, self.pad_id, norm_std=cfg.algorithm.advantage == "grpo", device=self.device)
+        batch = build_batch(groups, self.pad_id, device=self.device)
         # Exact global token mean across ranks: scale each rank's loss by its share of all tokens.
         ntok = torch.tensor([float(batch.num_tokens)], device=self.device)
         if self.world > 1:
