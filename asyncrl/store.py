@@ -84,6 +84,10 @@ def group_lag(client: redis.Redis, stream: str, group: str) -> int:
     return 0
 
 
+def group_pending(client: redis.Redis, stream: str, group: str) -> int:
+    return int(client.xpending(stream, group)["pending"])
+
+
 def dedupe_append(pipe, keys: Keys, group_id: str, frame: bytes) -> None:
     """Queues the atomic dedupe + XADD of one frame on `pipe` (reply: 1 added, 0 duplicate).
 
