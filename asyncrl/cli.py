@@ -47,14 +47,33 @@ def _load(args):
     return cfg
 
 
+def _pin(cfg, roles: tuple[str, ...], apply: bool = True) -> None:
+    """Checks `{role}.cpus` against this machine; a role's own entry point also pins itself to them
+    (before torch / vLLM are imported, so their thread pools are sized for those CPUs)."""
+    from asyncrl import affinity
+    from asyncrl.config import ConfigError
+
+    try:
+        affinity.check_available(cfg, roles)
+        for role in roles if apply else ():
+            affinity.apply_to_self(cfg, role)
+    except ConfigError as e:
+        print(f"asyncrl: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def cmd_run(args) -> int:
+    from asyncrl.affinity import ROLES
     from asyncrl.launcher import Launcher
 
-    return Launcher(_load(args)).run()
+    cfg = _load(args)
+    _pin(cfg, ROLES, apply=False)  # checks only: the launcher pins each child (the launcher itself stays unpinned)
+    return Launcher(cfg).run()
 
 
 def cmd_buffer(args) -> int:
     cfg = _load(args)
+    _pin(cfg, ("buffer",))
     from buffers.service import main
 
     main(cfg)
@@ -63,6 +82,7 @@ def cmd_buffer(args) -> int:
 
 def cmd_generator(args) -> int:
     cfg = _load(args)
+    _pin(cfg, ("generator",))
     from asyncrl.launcher import ensure_model
     from generators.main import main
 
@@ -73,6 +93,7 @@ def cmd_generator(args) -> int:
 
 def cmd_learner(args) -> int:
     cfg = _load(args)
+    _pin(cfg, ("learner",))  # torchrun and its ranks inherit the mask and OMP_NUM_THREADS
     from asyncrl.launcher import ensure_model, learner_command
 
     ensure_model(cfg)

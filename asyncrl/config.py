@@ -107,6 +107,7 @@ class GeneratorConfig:
     tensor_parallel_size: int = 1
     kv_cache_gb: float = 1.0  # CPU build only: VLLM_CPU_KVCACHE_SPACE
     cpu_threads: int = 1  # CPU build only: OMP threads per engine
+    cpus: str = ""  # CPU list this role's processes run on ("0", "0-3,8"); empty: no pinning (asyncrl/affinity.py)
     drain_timeout_s: float = 120.0  # SIGTERM: in-flight groups not done by then are handed back to the buffer
 
 
@@ -125,6 +126,7 @@ class BufferConfig:
     # staleness bound; or each group reused up to `replay_ratio` times within the staleness bound.
     sampling: Literal["fifo", "newest", "replay"] = "fifo"
     replay_ratio: int = 1
+    cpus: str = ""  # CPU list of the buffer (and the launcher's local redis-server); empty: no pinning
 
 
 @dataclass
@@ -152,6 +154,7 @@ class LearnerConfig:
     minibatches: int = 1
     max_grad_norm: float = 1.0
     poll_s: float = 0.5  # how long rank 0 blocks on Redis before re-checking membership
+    cpus: str = ""  # CPU list of the learner's ranks (torch threads = CPUs / nproc); empty: no pinning
 
 
 @dataclass
@@ -314,6 +317,10 @@ class Config:
         from asyncrl.modes import config_errors  # run.mode=sync cross-field checks
 
         for message in config_errors(self):
+            raise ConfigError(message)
+        from asyncrl.affinity import config_errors as affinity_errors  # generator/learner/buffer.cpus
+
+        for message in affinity_errors(self):
             raise ConfigError(message)
         return self
 

@@ -58,6 +58,7 @@ def _wait_generators_left(client, keys, stopping: list) -> None:
 
 
 def run_core(config_path: str, backend: str) -> int:
+    from asyncrl.affinity import check_available, cpus_of
     from asyncrl.cli import _setup_logging
     from asyncrl.config import load_config
     from asyncrl.elastic import publish_backend
@@ -68,6 +69,7 @@ def run_core(config_path: str, backend: str) -> int:
     cfg = load_config(config_path)
     _setup_logging(cfg.logging.level)
     set_redis_password_file(cfg.deploy.redis_password_file)
+    check_available(cfg, ("buffer",))
     run_dir = cfg.run_dir
     url_file = redis_url_file(run_dir)
     url_file.unlink(missing_ok=True)
@@ -79,7 +81,7 @@ def run_core(config_path: str, backend: str) -> int:
     if host not in ("127.0.0.1", "localhost") and not cfg.deploy.redis_password_file:
         log.warning("Redis bound to %s without deploy.redis_password_file: anyone on that network can use it", host)
     redis = LocalRedis(run_dir / "redis", appendfsync=cfg.buffer.appendfsync, password=redis_password(),
-                       host=host).start()
+                       host=host, cpus=cpus_of(cfg, "buffer")).start()  # the buffer pins itself
     url = f"redis://{advertised_host(host)}:{redis.port}/0"
     client = connect(f"redis://127.0.0.1:{redis.port}/0" if host in ("0.0.0.0", "::") else url)
     keys = Keys(cfg.run.name)

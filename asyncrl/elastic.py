@@ -104,7 +104,7 @@ class LocalScaler:
                     gid = f"g{self._next}"
                     self._next += 1
                     self.launcher._spawn(f"generator-{gid}", [sys.executable, "-m", "asyncrl", "generator",
-                                                              str(self.cfg_path), "--id", gid])
+                                                              str(self.cfg_path), "--id", gid], role="generator")
                     log_event(self.client, self.keys, "scale_up", id=gid, backend="local")
                     log.info("scale: added generator %s", gid)
             else:

@@ -1,8 +1,9 @@
 """`asyncrl run`: Redis, buffer, generators and learner on one machine, supervised.
 
 Each child runs in its own process session so that teardown can signal its whole tree (vLLM's engine
-core, torchrun's ranks). Ctrl-C, SIGTERM or the first child failure tears everything down: SIGTERM,
-a grace period, then SIGKILL for whatever is left. Nothing outlives the launcher.
+core, torchrun's ranks), pinned to its role's CPUs when `{generator,learner,buffer}.cpus` say so
+(asyncrl/affinity.py: set before exec, inherited by the whole tree). Ctrl-C, SIGTERM or the first
+child failure tears everything down: SIGTERM, a grace period, then SIGKILL for whatever is left. Nothing outlives the launcher.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl import affinity
 from asyncrl.config import Config, dump_yaml
 from asyncrl.redis_server import LocalRedis, free_port
 
@@ -56,15 +58,17 @@ class Launcher:
         self.redis: LocalRedis | None = None
         self._interrupted = False
 
-    def _spawn(self, name: str, argv: list[str], log_to_file: bool = True) -> None:
+    def _spawn(self, name: str, argv: list[str], log_to_file: bool = True, role: str | None = None) -> None:
         out = None
         if log_to_file:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
             out = open(self.run_dir / "logs" / f"{name}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cpus = affinity.cpus_of(self.cfg, role) if role else ()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(affinity.role_env(self.cfg, role) if role else {})}
         self.children[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                               start_new_session=True, env=env)
-        log.info("started %s (pid %d)", name, self.children[name].pid)
+                                               start_new_session=True, env=env, preexec_fn=affinity.preexec(cpus))
+        pinned = f", cpus {affinity.format_cpus(cpus)}" if cpus else ""
+        log.info("started %s (pid %d%s)", name, self.children[name].pid, pinned)
 
     def _on_signal(self, signum, _frame) -> None:
         self._interrupted = True
@@ -80,12 +84,13 @@ class Launcher:
 
     def _run(self) -> int:
         cfg = self.cfg
+        affinity.check_available(cfg)  # before anything starts: a CPU this machine lacks is a config error
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.buffer.redis_url:
             from asyncrl.security import redis_password
 
             self.redis = LocalRedis(self.run_dir / "redis", appendfsync=cfg.buffer.appendfsync,
-                                    password=redis_password()).start()
+                                    password=redis_password(), cpus=affinity.cpus_of(cfg, "buffer")).start()
             cfg.buffer.redis_url = self.redis.address_url  # the password, if any, stays in its file
             log.info("local redis-server at %s (AOF, appendfsync=%s)", self.redis.url, cfg.buffer.appendfsync)
         from asyncrl.keys import Keys, connect
@@ -112,10 +117,10 @@ class Launcher:
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(cfg))
         py = [sys.executable, "-m", "asyncrl"]
-        self._spawn("buffer", [*py, "buffer", str(cfg_path)])
+        self._spawn("buffer", [*py, "buffer", str(cfg_path)], role="buffer")
         for i in range(cfg.generator.num_generators):
-            self._spawn(f"generator-g{i}", [*py, "generator", str(cfg_path), "--id", f"g{i}"])
-        self._spawn("learner", learner_command(cfg, str(cfg_path), []), log_to_file=False)
+            self._spawn(f"generator-g{i}", [*py, "generator", str(cfg_path), "--id", f"g{i}"], role="generator")
+        self._spawn("learner", learner_command(cfg, str(cfg_path), []), log_to_file=False, role="learner")
         print(f"asyncrl run: {cfg.run.name} in {self.run_dir} | {cfg.generator.num_generators} generator(s), "
               f"{cfg.learner.nproc} learner rank(s), {cfg.run.max_steps} steps | logs in {self.run_dir}/logs",
               flush=True)

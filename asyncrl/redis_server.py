@@ -20,7 +20,7 @@ class LocalRedis:
     a multi-node deployment names the node's interface, with a password: see docs/deploy.md)."""
 
     def __init__(self, data_dir: str | Path, port: int | None = None, appendfsync: str = "everysec",
-                 password: str | None = None, host: str = "127.0.0.1"):
+                 password: str | None = None, host: str = "127.0.0.1", cpus: tuple[int, ...] = ()):
         exe = shutil.which("redis-server")
         if exe is None:
             raise FileNotFoundError("redis-server not found: install it (Debian: apt-get install -y redis-server) "
@@ -36,6 +36,7 @@ class LocalRedis:
         if password:
             args += ["--requirepass", password]
         self.args = args
+        self.cpus = cpus  # pinned to these CPUs (asyncrl/affinity.py) when given
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -49,8 +50,10 @@ class LocalRedis:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        from asyncrl.affinity import preexec
+
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=preexec(self.cpus))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,149 @@
+"""Per-role CPU affinity: `generator.cpus`, `learner.cpus`, `buffer.cpus`.
+
+A value is a Linux CPU list ("0", "0-3,8"); empty means no pinning (the OS schedules the role
+anywhere, as before). A pinned role's whole process tree runs on its CPUs: the launcher sets the
+affinity in the child before it execs (`preexec`), every process the role starts inherits it
+(torchrun's ranks, vLLM's engine core and workers), and each role's entry point applies it to itself
+too (`apply_to_self`), so a role started on its own (Slurm, a benchmark) is pinned the same way.
+The local redis-server follows `buffer.cpus`.
+
+Thread counts follow the CPUs, because an affinity mask alone does not stop a library from starting
+more threads than it has cores (they would time-slice one core):
+- generator: vLLM's CPU build binds its OpenMP threads itself (`VLLM_CPU_OMP_THREADS_BIND`: "auto"
+  picks cores from the affinity mask but reserves one of them for the scheduler process, "nobind"
+  leaves OMP_NUM_THREADS as given, a CPU list binds exactly those). We pass the role's CPUs as the
+  list (split into `tensor_parallel_size` equal parts, one per worker), so vLLM starts one OpenMP
+  thread per CPU, bound to it (`OMP_PLACES` / `OMP_PROC_BIND`), and `generator.cpu_threads` is
+  ignored;
+- learner: `OMP_NUM_THREADS` = its CPUs / `learner.nproc`, which torch reads as its thread count
+  and torchrun passes to every rank;
+- buffer: no threaded math; only the mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+
+log = logging.getLogger(__name__)
+
+ROLES = ("generator", "learner", "buffer")
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """'0-3,8' -> (0, 1, 2, 3, 8); '' -> (). Raises ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or range")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"range {part!r} is reversed")
+        cpus.update(range(first, last + 1))
+    if text.strip() and not cpus:
+        raise ValueError(f"{text!r} names no CPU")
+    return tuple(sorted(cpus))
+
+
+def format_cpus(cpus) -> str:
+    """(0, 1, 2, 3, 8) -> '0-3,8' (the form taskset, /proc and vLLM use)."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def cpus_of(cfg: Config, role: str) -> tuple[int, ...]:
+    assert role in ROLES, role
+    return parse_cpus(getattr(cfg, role).cpus)
+
+
+def config_errors(cfg: Config) -> list[str]:
+    """Syntax and cross-field checks (machine-independent: the config may be checked on a login node)."""
+    errors = []
+    for role in ROLES:
+        text = getattr(cfg, role).cpus
+        try:
+            cpus = parse_cpus(text)
+        except ValueError as e:
+            errors.append(f"{role}.cpus={text!r}: {e}; use a CPU list like \"0\", \"0-3\" or \"0-3,8\" "
+                          "(empty: no pinning)")
+            continue
+        tp = cfg.generator.tensor_parallel_size
+        if role == "generator" and cpus and len(cpus) % tp:
+            errors.append(f"generator.cpus={text!r} has {len(cpus)} CPUs, not a multiple of "
+                          f"generator.tensor_parallel_size={tp} (each vLLM worker gets an equal share)")
+        if role == "learner" and cpus and len(cpus) < cfg.learner.nproc:
+            errors.append(f"learner.cpus={text!r} has {len(cpus)} CPUs for learner.nproc={cfg.learner.nproc} "
+                          "ranks; give at least one CPU per rank")
+    return errors
+
+
+def check_available(cfg: Config, roles=ROLES) -> None:
+    """Raises ConfigError (naming the key) if a role asks for a CPU this process may not use."""
+    from asyncrl.config import ConfigError
+
+    allowed = os.sched_getaffinity(0)
+    for role in roles:
+        missing = [c for c in cpus_of(cfg, role) if c not in allowed]
+        if missing:
+            raise ConfigError(f"{role}.cpus={getattr(cfg, role).cpus!r}: CPU {format_cpus(missing)} is not "
+                              f"available to this process (allowed: {format_cpus(allowed)}); pick CPUs from "
+                              "that list or leave it empty for no pinning")
+
+
+def role_env(cfg: Config, role: str) -> dict[str, str]:
+    """Environment a pinned role needs so its thread pools match its CPUs ({} when not pinned)."""
+    cpus = cpus_of(cfg, role)
+    if not cpus:
+        return {}
+    if role == "generator":
+        tp = cfg.generator.tensor_parallel_size
+        share = len(cpus) // tp
+        parts = [format_cpus(cpus[i * share:(i + 1) * share]) for i in range(tp)]
+        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(parts), "OMP_NUM_THREADS": str(share)}
+    if role == "learner":
+        return {"OMP_NUM_THREADS": str(max(1, len(cpus) // cfg.learner.nproc))}
+    return {}
+
+
+def preexec(cpus: tuple[int, ...]) -> Callable[[], None] | None:
+    """A Popen `preexec_fn` that pins the child before it execs (None when `cpus` is empty).
+    Only a syscall runs between fork and exec, which is safe even if the parent has threads."""
+    if not cpus:
+        return None
+    mask = set(cpus)
+    return lambda: os.sched_setaffinity(0, mask)
+
+
+def apply_to_self(cfg: Config, role: str) -> None:
+    """A role's entry point: checks its CPUs, pins this process and sets its thread environment.
+    Call it before torch or vLLM is imported (they size their thread pools once, at import)."""
+    cpus = cpus_of(cfg, role)
+    if not cpus:
+        return
+    check_available(cfg, (role,))
+    if os.sched_getaffinity(0) != set(cpus):
+        os.sched_setaffinity(0, set(cpus))
+    env = role_env(cfg, role)
+    os.environ.update(env)
+    if role == "generator" and cfg.generator.cpu_threads != int(env["OMP_NUM_THREADS"]):
+        log.info("generator.cpus=%s: the engine runs %s OpenMP thread(s) per worker, one per CPU; "
+                 "generator.cpu_threads=%d is ignored", cfg.generator.cpus, env["OMP_NUM_THREADS"],
+                 cfg.generator.cpu_threads)
+    log.info("affinity role=%s cpus=%s%s", role, format_cpus(cpus), "".join(f" {k}={v}" for k, v in env.items()))

@@ -1,0 +1,201 @@
+"""Per-role CPU affinity (`generator.cpus`, `learner.cpus`, `buffer.cpus`): the processes the launcher
+starts, what they start in turn, the local redis-server and a role started on its own really run on
+the CPUs asked for, read back from /proc of the live processes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from asyncrl.affinity import check_available, format_cpus, parse_cpus, role_env
+from asyncrl.config import ConfigError, load_config
+from asyncrl.launcher import Launcher
+from asyncrl.redis_server import LocalRedis
+
+ALLOWED = sorted(os.sched_getaffinity(0))
+needs_two = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs to pin roles apart")
+
+
+def cpus_allowed(pid: int) -> set[int]:
+    """The affinity of a live process as the kernel reports it (/proc/PID/status Cpus_allowed_list)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("Cpus_allowed_list:"))
+    return set(parse_cpus(line.split(":", 1)[1].strip()))
+
+
+def environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = [i.decode() for i in f.read().split(b"\0") if i]
+    return dict(i.split("=", 1) for i in items if "=" in i)
+
+
+def test_cpu_lists_parse_format_and_errors_name_the_key():
+    assert parse_cpus("0-3,8") == (0, 1, 2, 3, 8)
+    assert parse_cpus(" 2,0,1 ") == (0, 1, 2) and parse_cpus("") == ()
+    assert format_cpus((0, 1, 2, 3, 8, 10, 11)) == "0-3,8,10-11"
+    for bad in ("x", "3-1", "1-", "-1", ","):
+        with pytest.raises(ConfigError, match=r"generator\.cpus"):
+            load_config(None, [f"generator.cpus={bad}"])
+    with pytest.raises(ConfigError, match=r"learner\.cpus='0' has 1 CPUs for learner\.nproc=2"):
+        load_config(None, ["learner.cpus=0", "learner.nproc=2"])
+    with pytest.raises(ConfigError, match=r"generator\.cpus='0-2'.*tensor_parallel_size=2"):
+        load_config(None, ["generator.cpus=0-2", "generator.tensor_parallel_size=2"])
+    missing = max(ALLOWED) + 1
+    cfg = load_config(None, [f"buffer.cpus={ALLOWED[0]},{missing}"])  # valid syntax, absent CPU
+    with pytest.raises(ConfigError, match=rf"buffer\.cpus=.*CPU {missing} is not available.*allowed: "):
+        check_available(cfg)
+
+
+def test_an_absent_cpu_stops_a_role_at_start_with_the_key(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "asyncrl", "buffer", f"run.dir={tmp_path}",
+                        f"buffer.cpus={max(ALLOWED) + 1}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "config error: buffer.cpus=" in r.stderr and "is not available" in r.stderr
+
+
+def test_thread_environment_follows_the_cpus():
+    cfg = load_config(None, ["generator.cpus=0-3", "generator.tensor_parallel_size=2", "learner.cpus=4-7",
+                             "learner.nproc=2"])
+    # vLLM's CPU build binds one OpenMP thread per listed CPU, one "|" part per worker.
+    assert role_env(cfg, "generator") == {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3", "OMP_NUM_THREADS": "2"}
+    assert role_env(cfg, "learner") == {"OMP_NUM_THREADS": "2"}
+    assert role_env(cfg, "buffer") == {} and role_env(load_config(None, []), "generator") == {}
+
+
+# A child that starts a grandchild and reports torch's thread count, as the launcher's roles do.
+TREE = ("import subprocess, sys, time\n"
+        "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "import torch\n"
+        "print('threads', torch.get_num_threads(), flush=True)\n"
+        "time.sleep(60)\n")
+
+
+def _spawned_tree(launcher: Launcher, name: str, timeout_s: float = 60) -> int:
+    """Waits until the launcher's child `name` has started its own child and reported; its pid."""
+    deadline = time.time() + timeout_s
+    log = launcher.run_dir / "logs" / f"{name}.log"
+    while time.time() < deadline:
+        grand = psutil.Process(launcher.children[name].pid).children()
+        if grand and log.exists() and "threads" in log.read_text():
+            return grand[0].pid
+        time.sleep(0.1)
+    raise AssertionError(f"{name} did not start its child")
+
+
+@needs_two
+def test_launcher_pins_each_role_tree_and_its_redis(tmp_path, monkeypatch):
+    gen_cpus, learn_cpu = (ALLOWED[0], ALLOWED[1]), ALLOWED[-1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # the launcher's environment; a pinned role overrides it
+    cfg = load_config(None, [f"run.dir={tmp_path}", f"generator.cpus={format_cpus(gen_cpus)}",
+                             f"learner.cpus={learn_cpu}", f"buffer.cpus={learn_cpu}"])
+    launcher = Launcher(cfg)
+    try:
+        for role in ("generator", "learner", "buffer"):
+            launcher._spawn(role, [sys.executable, "-c", TREE], role=role)
+        launcher._spawn("unpinned", [sys.executable, "-c", TREE])
+        for role, want in (("generator", set(gen_cpus)), ("learner", {learn_cpu}), ("buffer", {learn_cpu}),
+                           ("unpinned", set(ALLOWED))):
+            grandchild = _spawned_tree(launcher, role)
+            assert cpus_allowed(launcher.children[role].pid) == want, role
+            assert cpus_allowed(grandchild) == want, f"{role}'s child did not inherit the mask"
+        env = {r: environ(launcher.children[r].pid) for r in launcher.children}
+        assert env["generator"]["VLLM_CPU_OMP_THREADS_BIND"] == format_cpus(gen_cpus)
+        assert env["generator"]["OMP_NUM_THREADS"] == "2"
+        assert env["learner"]["OMP_NUM_THREADS"] == "1"
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env["unpinned"] and env["unpinned"]["OMP_NUM_THREADS"] == "7"
+        logs = {r: (tmp_path / "tiny" / "logs" / f"{r}.log").read_text() for r in ("generator", "learner")}
+        assert "threads 2" in logs["generator"] and "threads 1" in logs["learner"]  # torch sized to the CPUs
+        redis = LocalRedis(tmp_path / "redis", cpus=(learn_cpu,)).start()
+        try:
+            assert cpus_allowed(redis.proc.pid) == {learn_cpu}
+        finally:
+            redis.stop()
+    finally:
+        launcher.teardown()
+
+
+@needs_two
+def test_a_role_started_on_its_own_pins_itself(tmp_path, redis_server):
+    """`asyncrl buffer` launched unpinned (as Slurm or a benchmark does) applies buffer.cpus itself."""
+    cpu = ALLOWED[-1]
+    from asyncrl.keys import Keys, connect
+
+    keys, client = Keys("pin"), connect(redis_server.url)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "buffer", f"run.dir={tmp_path}", "run.name=pin",
+                             f"buffer.redis_url={redis_server.url}", f"buffer.cpus={cpu}",
+                             "logging.prometheus=false"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while not client.exists(keys.ingest_addr) and time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        assert client.exists(keys.ingest_addr), "the buffer did not come up"
+        assert cpus_allowed(proc.pid) == {cpu}
+        threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert all(cpus_allowed(t) == {cpu} for t in threads), "every thread of the role is pinned"
+    finally:
+        client.set(keys.stop, "1")
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow
+@needs_two
+def test_a_pinned_run_keeps_vllm_and_torchrun_on_their_cpus(tmp_path, tiny_model):
+    """A real `asyncrl run` (vLLM CPU engine, torchrun learner): every descendant of each role, and
+    every thread of vLLM's worker, runs on that role's CPU; vLLM bound its OpenMP threads to it."""
+    gen_cpu, learn_cpu = ALLOWED[0], ALLOWED[-1]
+    run_dir = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", "run.max_steps=30", f"run.dir={run_dir}",
+                             f"model.path={tiny_model}", f"generator.cpus={gen_cpu}", f"learner.cpus={learn_cpu}",
+                             f"buffer.cpus={learn_cpu}", "logging.prometheus=false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = run_dir / "tiny" / "metrics.jsonl"
+    try:
+        deadline = time.time() + 600
+        while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.5)
+        assert metrics.exists(), "no step within the deadline"
+        seen = {}
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                seen[p.pid] = (" ".join(p.cmdline()), cpus_allowed(p.pid), environ(p.pid))
+            except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+                continue
+        roles = {"generator": gen_cpu, "learner": learn_cpu, "buffer": learn_cpu, "redis-server": learn_cpu}
+        by_role: dict[str, list] = {r: [] for r in roles}
+        for pid, (cmd, cpus, env) in seen.items():
+            role = ("redis-server" if "redis-server" in cmd else "generator" if "VLLM_CPU_OMP_THREADS_BIND" in env
+                    and env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind" else
+                    "learner" if "torch.distributed.run" in cmd or "RANK" in env else
+                    "buffer" if " buffer " in f"{cmd} " else None)
+            if role:
+                by_role[role].append(pid)
+                assert cpus == {roles[role]}, (role, cmd, cpus)
+        assert len(by_role["generator"]) >= 3, by_role  # generator, engine core, worker
+        assert len(by_role["learner"]) >= 2 and by_role["buffer"] and by_role["redis-server"], by_role
+        for pid in by_role["generator"] + by_role["learner"]:  # threads too, not only the main thread
+            want = gen_cpu if pid in by_role["generator"] else learn_cpu
+            assert all(cpus_allowed(int(t)) == {want} for t in os.listdir(f"/proc/{pid}/task")), seen[pid][0]
+        ranks = [pid for pid in by_role["learner"] if "RANK" in seen[pid][2]]
+        assert ranks and all(seen[pid][2]["OMP_NUM_THREADS"] == "1" for pid in ranks)  # torch threads = CPUs
+        # vLLM's worker is forked (its /proc environ predates the binding): its own log line says what it bound.
+        log = (run_dir / "tiny" / "logs" / "generator-g0.log").read_text()
+        assert f"VLLM_CPU_OMP_THREADS_BIND='{gen_cpu}', auto_setup=False" in log
+        assert f"local_rank=0, core ids=[{gen_cpu}]" in log and "reserved_cpus=[]" in log
+        row = json.loads(metrics.read_text().splitlines()[0])
+        assert row["tokens"] > 0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            from asyncrl.launcher import kill_tree
+
+            kill_tree(proc.pid, 9)
