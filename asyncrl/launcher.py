@@ -3,7 +3,8 @@
 Each child runs in its own process session so that teardown can signal its whole tree (vLLM's engine
 core, torchrun's ranks), pinned to its role's CPUs when `{generator,learner,buffer}.cpus` say so
 (asyncrl/affinity.py: set before exec, inherited by the whole tree). Ctrl-C, SIGTERM or the first
-child failure tears everything down: SIGTERM, a grace period, then SIGKILL for whatever is left. Nothing outlives the launcher.
+child failure tears everything down: SIGTERM, a grace period, then SIGKILL for whatever is left.
+Nothing outlives the launcher.
 """
 
 from __future__ import annotations
