@@ -7,8 +7,9 @@ current group's members it opens a new epoch: writes a GroupEpoch to Redis, wait
 are dropped and the next epoch is opened without them). Nobody ever blocks on a dead peer for longer
 than a timeout.
 
-Transfer: tensors are packed into flat uint8 buckets of at most `bucket_bytes` (one tensor larger
-than that gets a bucket of its own); a WeightAnnouncement with names/dtypes/shapes/offsets goes to
+Transfer: small tensors are packed into flat uint8 buckets of at most `bucket_bytes`; a tensor of
+DIRECT_BYTES or more gets a bucket of its own and is sent from its own storage when its dtype and
+device already match (no copy); a WeightAnnouncement with names/dtypes/shapes/offsets goes to
 Redis first, then each bucket is broadcast from rank 0. gloo on CPU, NCCL on CUDA, one code path.
 """
 
@@ -28,6 +29,10 @@ from asyncrl.schema import SCHEMA_VERSION, Bucket, GroupEpoch, TensorMeta, Weigh
 log = logging.getLogger(__name__)
 
 ALIGN = 64  # byte alignment of every tensor inside a bucket, so views of any dtype are legal
+# A tensor of at least this many bytes gets a bucket of its own, so that the sender can broadcast its
+# storage as it is (no packing copy) when dtype and device already match. Nearly all of an LLM's bytes
+# are in such matrices; the small ones (norms, biases) are still packed together.
+DIRECT_BYTES = 1 << 20
 
 
 class SyncTimeout(RuntimeError):
@@ -45,13 +50,23 @@ def to_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_buckets(metas: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> list[Bucket]:
-    """Groups (name, dtype, shape) into buckets of at most `bucket_bytes`; offsets are ALIGN-aligned."""
+def plan_buckets(metas: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int,
+                 direct_bytes: int = DIRECT_BYTES) -> list[Bucket]:
+    """Groups (name, dtype, shape) into buckets of at most `bucket_bytes`; offsets are ALIGN-aligned.
+
+    A tensor of `direct_bytes` or more gets a bucket of its own (sent without a copy when it can be)."""
     buckets: list[Bucket] = []
     current: list[TensorMeta] = []
     used = 0
     for name, dtype, shape in metas:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes >= direct_bytes:  # closes the open bucket first: buckets follow the tensors' order
+            if current:
+                buckets.append(Bucket(nbytes=_pad(used), tensors=current))
+                current, used = [], 0
+            buckets.append(Bucket(nbytes=_pad(nbytes), tensors=[TensorMeta(
+                name=name, dtype=dtype_name(dtype), shape=list(shape), offset=0, nbytes=nbytes)]))
+            continue
         offset = -(-used // ALIGN) * ALIGN
         if current and offset + nbytes > bucket_bytes:
             buckets.append(Bucket(nbytes=_pad(used), tensors=current))
@@ -176,11 +191,11 @@ class WeightSender:
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
             work = _start_broadcast(self.pg, buf, self.sync_timeout_s)
             if in_flight is not None:
-                _wait(in_flight, self.sync_timeout_s)
+                _wait(in_flight[0], self.sync_timeout_s)
             sums.append(bucket_checksum(buf))  # read-only while it is being sent
-            in_flight = work
+            in_flight = (work, buf)  # a direct bucket is a parameter's own storage: keep it alive until sent
         if in_flight is not None:
-            _wait(in_flight, self.sync_timeout_s)
+            _wait(in_flight[0], self.sync_timeout_s)
         return sums
 
     def drop_group(self) -> None:
@@ -193,24 +208,48 @@ class WeightSender:
 
 def pack_buckets(buckets: list[Bucket], tensors: Iterator[tuple[str, torch.Tensor]],
                  device: torch.device) -> Iterator[torch.Tensor]:
-    """Consumes (name, full tensor) in plan order and yields one filled flat buffer per bucket.
+    """Consumes (name, full tensor) in plan order and yields one filled flat uint8 buffer per bucket.
 
-    Two buffers of the largest bucket's size are reused in turn (the sender has finished sending a
-    buffer before it asks for the bucket after next), so peak memory is two buckets plus one gathered
-    tensor and no page is faulted in twice.
+    A bucket holding one tensor that already has the bucket's dtype and device, is contiguous and
+    fills the bucket exactly is yielded as that tensor's own bytes: no copy. Every other bucket is
+    packed (cast and copied in one pass) into one of two buffers of the largest bucket's size
+    (allocated only when a bucket needs packing), reused in turn (the sender has finished sending a buffer before it asks for the bucket after
+    next), so peak memory is two buckets plus one gathered tensor.
     """
     it = iter(tensors)
-    size = max((b.nbytes for b in buckets), default=0)
-    pool = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(buckets)))]
-    for i, bucket in enumerate(buckets):
-        buf = pool[i % 2][: bucket.nbytes]
-        buf[-8:].zero_()  # padding bytes take part in the checksum
-        for meta in bucket.tensors:
+    pool = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]  # grown on first need
+    packed = 0
+    for bucket in buckets:
+        if len(bucket.tensors) == 1:
             name, t = next(it)
+            meta = bucket.tensors[0]
             assert name == meta.name, f"tensor order changed: {name} != {meta.name}"
-            t = t.detach().to(device=device, dtype=to_dtype(meta.dtype)).contiguous()
-            buf[meta.offset: meta.offset + meta.nbytes].copy_(t.view(-1).view(torch.uint8))
+            t = t.detach()
+            if (t.dtype == to_dtype(meta.dtype) and t.device == device and t.is_contiguous()
+                    and meta.nbytes == bucket.nbytes):
+                yield t.view(-1).view(torch.uint8)
+                continue
+            parts = [(meta, t)]
+        else:
+            parts = None
+        slot = packed % 2
+        if pool[slot].numel() < bucket.nbytes:
+            pool[slot] = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=device)
+        buf = pool[slot][: bucket.nbytes]
+        packed += 1
+        buf[-8:].zero_()  # padding bytes take part in the checksum
+        for meta, t in parts or _named(it, bucket):
+            assert list(t.shape) == meta.shape, f"{meta.name}: shape {list(t.shape)} != planned {meta.shape}"
+            # One pass: copy_ casts and moves while it writes into the bucket.
+            buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).copy_(t)
         yield buf
+
+
+def _named(it: Iterator[tuple[str, torch.Tensor]], bucket: Bucket) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
+    for meta in bucket.tensors:
+        name, t = next(it)
+        assert name == meta.name, f"tensor order changed: {name} != {meta.name}"
+        yield meta, t.detach()
 
 
 class WeightReceiver:

@@ -75,10 +75,13 @@ class VllmEngine:
 
         g = self.cfg.generator
         temperature = g.temperature if temperature is None else temperature  # 0.0: greedy (evaluation)
+        extra = {}
+        if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):  # one flat float list, not a dict per token
+            extra["flat_logprobs"] = True
         return SamplingParams(n=n, temperature=temperature, top_p=g.top_p, top_k=max(g.top_k, 0),
                               max_tokens=g.max_tokens if max_tokens is None else max_tokens, logprobs=0,
                               output_kind=RequestOutputKind.DELTA,
-                              detokenize=False)  # we decode for rewards ourselves; the engine need not
+                              detokenize=False, **extra)  # we decode for rewards ourselves; the engine need not
 
     def _stamp(self, version: Callable[[], int]) -> int:
         # The version of the weights loaded in the engine once it has taken an update: exact even for
@@ -95,10 +98,13 @@ class VllmEngine:
             v = self._stamp(version)
             for c in out.outputs:
                 s = samples[c.index]
-                for tid, lp in zip(c.token_ids, c.logprobs or [], strict=True):
-                    s.token_ids.append(tid)
-                    s.logprobs.append(lp[tid].logprob)
-                    s.versions.append(v)
+                flat = getattr(c.logprobs, "logprobs", None)  # FlatLogprobs: logprobs=0 -> one per position
+                if flat is not None and len(flat) == len(c.token_ids):
+                    s.logprobs.extend(flat)
+                else:
+                    s.logprobs.extend(lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs or [], strict=True))
+                s.token_ids.extend(c.token_ids)
+                s.versions.extend([v] * len(c.token_ids))
                 if c.finish_reason:
                     s.finish_reason = c.finish_reason
 

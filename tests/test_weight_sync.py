@@ -56,8 +56,10 @@ def test_group_forms_without_a_dead_member_and_transfers_buckets():
     assert time.monotonic() - t0 < 15
 
     tensors = _tensors()
-    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=64 * 1024)
-    assert len(buckets) >= 2, "the test wants a transfer of several buckets"
+    # c.weight (176 KiB) goes in a direct bucket of its own, sent from its storage; a and b are packed.
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=64 * 1024,
+                           direct_bytes=100_000)
+    assert [len(b.tensors) for b in buckets] == [2, 1], "the test wants a packed and a direct bucket"
     ann = WeightAnnouncement(schema_version=SCHEMA_VERSION, version=3, epoch=sender.epoch, buckets=buckets,
                              announced_at=time.time())
     for q in anns:
@@ -111,3 +113,25 @@ def test_a_member_dying_mid_transfer_fails_the_broadcast_within_the_timeout():
     assert time.monotonic() - t0 < 5 + 10
     p.join(timeout=30)
     assert p.exitcode == 9
+
+
+def test_pack_sends_matching_tensors_from_their_own_storage_and_casts_the_rest_in_one_copy():
+    g = torch.Generator().manual_seed(1)
+    src = {"small.a": torch.randn(5, 3, generator=g), "small.b": torch.randn(11, generator=g),
+           "big.same": torch.randn(64, 64, generator=g), "big.cast": torch.randn(64, 64, generator=g),
+           "big.strided": torch.randn(64, 64, generator=g).t(), "big.odd": torch.randn(4099, generator=g).half()}
+    planned = {n: (torch.bfloat16 if n == "big.cast" else t.dtype) for n, t in src.items()}
+    buckets = plan_buckets([(n, planned[n], tuple(t.shape)) for n, t in src.items()], bucket_bytes=1 << 20,
+                           direct_bytes=8000)
+    assert [[m.name for m in b.tensors] for b in buckets] == [
+        ["small.a", "small.b"], ["big.same"], ["big.cast"], ["big.strided"], ["big.odd"]]
+    bufs = [buf.clone() for buf in pack_buckets(buckets, iter(src.items()), torch.device("cpu"))]
+    # Only a contiguous tensor of the planned dtype that fills its (8-byte padded) bucket goes uncopied.
+    direct = [buf.data_ptr() == src[b.tensors[0].name].data_ptr() for b, buf in zip(buckets, pack_buckets(
+        buckets, iter(src.items()), torch.device("cpu")), strict=True) if len(b.tensors) == 1]
+    assert direct == [True, False, False, False]
+    for bucket, buf in zip(buckets, bufs, strict=True):
+        assert buf.numel() == bucket.nbytes and bucket.nbytes % 8 == 0
+        for m in bucket.tensors:
+            got = buf[m.offset: m.offset + m.nbytes].view(planned[m.name]).view(m.shape)
+            assert torch.equal(got, src[m.name].to(planned[m.name])), m.name
