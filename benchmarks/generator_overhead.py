@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--model", default="", help="HF model dir (default: a tiny model written to a temp dir)")
+    ap.add_argument("--warm-start-steps", type=int, default=30,
+                    help="supervised warm start of the default tiny model: 30 -> ~4-token answers (the worst "
+                         "case for per-group overhead); 0 -> random weights that write to max_tokens")
     ap.add_argument("--out", default="generator_overhead.json")
     args = ap.parse_args()
 
@@ -104,13 +107,13 @@ def main() -> None:
     from asyncrl.tiny_model import write_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="gen-overhead-"))
-    model = args.model or str(write_tiny_model(tmp / "model", seed=0, warm_start_steps=30))
+    model = args.model or str(write_tiny_model(tmp / "model", seed=0, warm_start_steps=args.warm_start_steps))
     redis = LocalRedis(tmp / "redis").start()
     try:
         cfg = load_config(None, [
             f"run.dir={tmp / 'runs'}", "run.name=bench", f"model.path={model}", f"buffer.redis_url={redis.url}",
             f"data.num_prompts={args.prompts}", f"generator.n={args.n}", f"generator.max_tokens={args.max_tokens}",
-            "generator.max_model_len=128", f"generator.max_concurrent_groups={args.concurrency}",
+            f"generator.max_model_len={64 + args.max_tokens}", f"generator.max_concurrent_groups={args.concurrency}",
             # every prompt released at once (no learner here): admission = (0 + staleness + 1) * groups/step
             f"learner.batch_groups={args.prompts}", "algorithm.max_staleness=0",
             f"buffer.prompt_backlog={args.prompts}", "logging.prometheus=false"])
