@@ -67,6 +67,15 @@ def gae(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
     return adv, (adv + values) * mask
 
 
+def whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(x - mean) / std over the valid tokens, zero elsewhere (PPO's advantage normalisation)."""
+    mask = mask_BT.to(torch.float32)
+    valid = x_BT[mask.bool()]
+    if valid.numel() < 2:
+        return x_BT * mask
+    return (x_BT - valid.mean()) / (valid.std() + eps) * mask
+
+
 def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,
                mask_BT: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
     """PPO value clipping: max of the unclipped and the clipped squared error, token mean."""

@@ -135,6 +135,21 @@ class MixedPrecisionConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+QWEN2_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft (learners/lora.py); generators always receive merged full weights."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0  # scale = alpha / rank
+    dropout: float = 0.0  # > 0 makes pi_prox (no-grad pass) and pi_theta differ by dropout noise
+    # Module names (suffixes) that get adapters; default: the attention and MLP projections of Qwen2.
+    target_modules: list[str] = field(default_factory=lambda: list(QWEN2_LORA_TARGETS))
+
+
 @dataclass
 class LearnerConfig:
     nproc: int = 1  # torchrun ranks (FSDP2)
@@ -154,12 +169,17 @@ class LearnerConfig:
     minibatches: int = 1
     max_grad_norm: float = 1.0
     poll_s: float = 0.5  # how long rank 0 blocks on Redis before re-checking membership
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # algorithm.advantage=gae: the value model (learners/critic.py), a full-parameter decoder + value head.
+    critic_path: str = ""  # empty: model.path
+    critic_lr: float = 1e-4
     cpus: str = ""  # CPU list of the learner's ranks (torch threads = CPUs / nproc); empty: no pinning
 
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    # gae trains a critic (learners/critic.py) and works with generator.n=1; the others are group baselines.
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
     loss: Literal["decoupled_ppo", "ppo", "tis", "mis", "cispo", "gspo"] = "decoupled_ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO clip-higher
@@ -181,6 +201,10 @@ class AlgorithmConfig:
     # are full-softmax: the off-policy losses then see a biased ratio. Allow it only knowingly.
     allow_truncated_sampling: bool = False
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    # advantage=gae: discount, GAE lambda and PPO value clipping (|V - V_old| <= value_clip; 0: off).
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
 
 
 @dataclass
@@ -262,7 +286,13 @@ class Config:
     def validate(self) -> Config:
         """Cross-field checks; each error names the dotted path and the fix."""
         checks = [
-            (self.generator.n > 1, f"generator.n must be > 1 for group advantages, got {self.generator.n}"),
+            # GAE's baseline is the critic, not the group, so only the group advantages need n > 1.
+            (self.generator.n > 1 or self.algorithm.advantage == "gae",
+             f"generator.n must be > 1 for group advantages (algorithm.advantage={self.algorithm.advantage}), "
+             f"got {self.generator.n}; algorithm.advantage=gae (a critic) works with n=1"),
+            (self.generator.n > 1 or not self.algorithm.dynamic_sampling,
+             "algorithm.dynamic_sampling=true drops groups whose rewards are all equal, which is every group "
+             "with generator.n=1: set generator.n > 1 or algorithm.dynamic_sampling=false"),
             (self.generator.temperature > 0, "generator.temperature must be > 0 (behaviour log-probs need a "
              f"proper distribution), got {self.generator.temperature}"),
             (0 < self.generator.top_p <= 1, f"generator.top_p must be in (0, 1], got {self.generator.top_p}"),
@@ -308,6 +338,16 @@ class Config:
             (self.algorithm.mis_low < 1 < self.algorithm.mis_high,
              "algorithm.mis_low must be < 1 < algorithm.mis_high"),
             (self.algorithm.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
+            (0 <= self.algorithm.gamma <= 1 and 0 <= self.algorithm.lam <= 1,
+             f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.algorithm.gamma}, {self.algorithm.lam}"),
+            (self.algorithm.value_clip >= 0, f"algorithm.value_clip must be >= 0 (0: off), got {self.algorithm.value_clip}"),
+            (self.learner.critic_lr > 0, f"learner.critic_lr must be > 0, got {self.learner.critic_lr}"),
+            (not self.learner.lora.enabled or (self.learner.lora.rank > 0 and self.learner.lora.alpha > 0),
+             "learner.lora.rank and learner.lora.alpha must be > 0"),
+            (not self.learner.lora.enabled or 0 <= self.learner.lora.dropout < 1,
+             f"learner.lora.dropout must be in [0, 1), got {self.learner.lora.dropout}"),
+            (not self.learner.lora.enabled or bool(self.learner.lora.target_modules),
+             "learner.lora.target_modules must name at least one module (e.g. q_proj,v_proj)"),
             (self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
              "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
         ]

@@ -5,12 +5,15 @@
 (all-gather, reduce-scatter) and `clip_grad_norm_`'s DTensor reduction still run inside it.
 
 One update, top to bottom: shape rewards (overlong penalty, KL-in-reward) -> advantages
-(algorithm.advantage) -> log-probs under pi_theta (chunked) -> per-token loss (algorithm.loss)
--> + KL-in-loss -> aggregate -> backward -> clip -> step.
+(algorithm.advantage; `batch_targets`) -> log-probs under pi_theta (chunked) -> per-token loss
+(algorithm.loss) -> + KL-in-loss -> aggregate -> backward -> clip -> step. With advantage=gae the
+learner passes the critic's old values to `batch_targets` and fits the critic to the returns it gives
+(learners/critic.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +51,8 @@ def shaped_rewards(batch: Batch, alg: AlgorithmConfig, max_tokens: int, kl_seq_B
 
 
 def advantages_BT(batch: Batch, rewards_B: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
+    """Group / batch-baseline advantages, B x T; GAE needs the critic's values (`batch_targets`)."""
+    assert alg.advantage != "gae", "GAE advantages come from batch_targets(..., values_BT=...)"
     mask = batch.loss_mask_BT
     n = batch.group_size
     assert n > 1, "group advantages need equal-sized groups of at least two samples"
@@ -61,6 +66,42 @@ def advantages_BT(batch: Batch, rewards_B: torch.Tensor, alg: AlgorithmConfig) -
     if alg.advantage == "reinforce_pp_baseline":
         return adv_fns.reinforce_pp_baseline(r_GN, mask)
     raise AssertionError(alg.advantage)
+
+
+@dataclass
+class Targets:
+    """What every update of one batch is fitted to, fixed before the first update."""
+
+    adv_BT: torch.Tensor
+    prox_BT: torch.Tensor | None  # log pi_prox, when computed ahead (several updates or KL-in-reward)
+    returns_BT: torch.Tensor | None = None  # advantage=gae: the critic's regression targets
+
+
+def batch_targets(model: nn.Module, batch: Batch, cfg: Config, ref_logp_BT: torch.Tensor | None = None,
+                  kl_coef: float = 0.0, values_BT: torch.Tensor | None = None) -> Targets:
+    """Proximal log-probs (when needed), shaped rewards, advantages and, for GAE, returns.
+
+    GAE runs over completion tokens with the (shaped) reward on each sequence's last token and the
+    critic's `values_BT` of the behaviour batch; advantages are then whitened over the rank's valid
+    tokens (as verl and OpenRLHF do), returns = advantages before whitening + values.
+    """
+    alg = cfg.algorithm
+    num_updates = cfg.learner.ppo_epochs * cfg.learner.minibatches
+    mask = batch.loss_mask_BT
+    model.train()
+    prox = None
+    if num_updates > 1 or (ref_logp_BT is not None and alg.kl_in == "reward"):
+        with torch.no_grad():
+            prox = sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, cfg.generator.temperature)
+    kl_seq_B = None
+    if ref_logp_BT is not None and alg.kl_in == "reward":
+        kl_seq_B = (losses.kl_estimate(prox, ref_logp_BT, alg.kl_estimator) * mask).sum(dim=1)
+    rewards_B = shaped_rewards(batch, alg, cfg.generator.max_tokens, kl_seq_B, kl_coef)
+    if alg.advantage == "gae":
+        assert values_BT is not None, "advantage=gae needs the critic's values of the batch"
+        adv, returns = adv_fns.gae(rewards_B, values_BT, mask, alg.gamma, alg.lam)
+        return Targets(adv_fns.whiten(adv, mask), prox, returns)
+    return Targets(advantages_BT(batch, rewards_B, alg), prox)
 
 
 def token_loss(alg: AlgorithmConfig, logp, prox, batch: Batch, adv):
@@ -85,12 +126,13 @@ def token_loss(alg: AlgorithmConfig, logp, prox, batch: Batch, adv):
 
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Config,
                   loss_scale: float, ref_logp_BT: torch.Tensor | None = None, kl_coef: float = 0.0,
-                  scheduler=None) -> dict[str, float]:
+                  scheduler=None, targets: Targets | None = None) -> dict[str, float]:
     """`learner.ppo_epochs * learner.minibatches` updates of `model` on `batch`.
 
     `loss_scale` multiplies the loss before backward: the rank's share of the global token count, so
     that FSDP's gradient mean over ranks is the exact global token mean. Returns this rank's stats of
-    the first update (loss, ratio / IS-weight stats, KL, grad norm before clipping).
+    the first update (loss, ratio / IS-weight stats, KL, grad norm before clipping). `targets`: from
+    `batch_targets` (the learner's GAE path); computed here when not given.
     """
     alg = cfg.algorithm
     temperature = cfg.generator.temperature
@@ -109,15 +151,10 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
             scheduler.step()
         return grad_norm
 
+    if targets is None:
+        targets = batch_targets(model, batch, cfg, ref_logp_BT, kl_coef)
     model.train()
-    prox = None
-    if num_updates > 1 or (ref_logp_BT is not None and alg.kl_in == "reward"):
-        with torch.no_grad():
-            prox = logp_BT()
-    kl_seq_B = None
-    if ref_logp_BT is not None and alg.kl_in == "reward":
-        kl_seq_B = (losses.kl_estimate(prox, ref_logp_BT, alg.kl_estimator) * mask).sum(dim=1)
-    adv = advantages_BT(batch, shaped_rewards(batch, alg, cfg.generator.max_tokens, kl_seq_B, kl_coef), alg)
+    prox, adv = targets.prox_BT, targets.adv_BT
 
     def full_loss(logp, prox_logp):
         loss_BT, st = token_loss(alg, logp, prox_logp, batch, adv)

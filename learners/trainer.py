@@ -22,7 +22,7 @@ from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
 from asyncrl.store import ack_dropped, ensure_groups, group_lag
 from asyncrl.weight_sync import SyncTimeout, WeightSender, pack_buckets, plan_buckets, to_dtype
 from learners.batch import build_batch
-from learners.step import policy_update
+from learners.step import batch_targets, policy_update
 
 log = logging.getLogger(__name__)
 
@@ -58,43 +58,68 @@ class Learner:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         torch.manual_seed(cfg.run.seed)
         mesh = init_device_mesh(self.device.type, (self.world,))
-        model = self._build_model(AutoModelForCausalLM, fully_shard, mesh, trainable=True)
-        self.model = model
         lc = cfg.learner
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay,
-                                           fused=self.cuda and not lc.param_offload)
+        self.lora = lc.lora.enabled  # learners/lora.py: adapters under FSDP2, merged weights on the wire
+        model = self._build_model(AutoModelForCausalLM, fully_shard, mesh, trainable=True, lora=self.lora)
+        self.model = model
+        # With LoRA only the adapters require grad: the optimizer (and its state) holds nothing else.
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lc.lr,
+                                           weight_decay=lc.weight_decay, fused=self.cuda and not lc.param_offload)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         from asyncrl.losses import AdaptiveKLController
 
         alg = cfg.algorithm
         self.kl_ctl = AdaptiveKLController(alg.kl_coef, alg.kl_target or None, alg.kl_horizon)
-        # The reference is the initial policy, frozen; only loaded when a KL term needs it.
+        # The reference is the initial policy, frozen; only loaded when a KL term needs it. With LoRA
+        # it is the policy's own frozen base with the adapters switched off (lora.adapters_disabled):
+        # exactly the initial policy, and no second copy of the weights, which is what LoRA saves.
         self.ref_model = None
         if alg.kl_coef > 0:
-            self.ref_model = self._build_model(AutoModelForCausalLM, fully_shard, mesh, trainable=False)
+            self.ref_model = model if self.lora else self._build_model(AutoModelForCausalLM, fully_shard, mesh,
+                                                                       trainable=False)
             self.ref_checksum = self._ref_checksum()
+        # advantage=gae: a value model with its own optimizer and schedule (learners/critic.py); full
+        # parameters even when the policy has LoRA.
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        if alg.advantage == "gae":
+            from learners.critic import load_value_model
+
+            self.critic = self._shard(load_value_model(lc.critic_path or cfg.model_path), fully_shard, mesh)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr,
+                                                      weight_decay=lc.weight_decay,
+                                                      fused=self.cuda and not lc.param_offload)
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer, self._lr_lambda)
         self.pad_id = model.config.pad_token_id or 0
         self.version = 0
         self.step = 0
         self.wire_dtype = to_dtype(cfg.model.dtype)
-        self.buckets = plan_buckets(
-            [(n, self.wire_dtype, tuple(t.shape)) for n, t in model.state_dict().items()],
-            int(cfg.weights.bucket_mb * 2**20))
+        self.buckets = plan_buckets([(n, self.wire_dtype, shape) for n, shape in self._wire_shapes()],
+                                    int(cfg.weights.bucket_mb * 2**20))
         self.resumed_from = self._maybe_resume()
         if self.rank == 0:
             self._init_rank0()
 
-    def _build_model(self, auto_cls, fully_shard, mesh, trainable: bool):
+    def _build_model(self, auto_cls, fully_shard, mesh, trainable: bool, lora: bool = False):
         """An FSDP2 model with the verl-style switches of `learner.*`; the reference (not trainable)
-        gets the same sharding and precision, no grads, and is never stepped."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-        lc = self.cfg.learner
+        gets the same sharding and precision, no grads, and is never stepped. LoRA adapters go in
+        before `fully_shard` (learners/lora.py says why that order)."""
         model = auto_cls.from_pretrained(self.cfg.model_path, dtype=torch.float32)
         model.config.use_cache = False
         if not trainable:
             model.requires_grad_(False).eval()
-        elif lc.activation_checkpointing:
+        if lora:
+            from learners.lora import apply_lora
+
+            model = apply_lora(model, self.cfg.learner.lora)
+        return self._shard(model, fully_shard, mesh, trainable)
+
+    def _shard(self, model, fully_shard, mesh, trainable: bool = True):
+        """`fully_shard` each decoder layer (`model.model.layers`, or `model.layers` for the critic),
+        then the root."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        lc = self.cfg.learner
+        if trainable and lc.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = lc.mixed_precision
         kwargs = {"mesh": mesh, "reshard_after_forward": lc.reshard_after_forward}
@@ -103,9 +128,10 @@ class Learner:
                                                        reduce_dtype=to_dtype(mp.reduce_dtype))
         if lc.param_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for i, layer in enumerate(model.model.layers):
+        layers = model.model.layers if hasattr(model, "model") else model.layers
+        for i, layer in enumerate(layers):
             if lc.compile:
-                layer = model.model.layers[i] = torch.compile(layer)
+                layer = layers[i] = torch.compile(layer)
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         return model
@@ -123,9 +149,12 @@ class Learner:
         return 1.0
 
     def _ref_checksum(self) -> float:
-        """Sum of this rank's reference shards in float64; all-reduced so every rank agrees."""
+        """Sum of this rank's reference shards in float64 (with LoRA: the frozen base parameters);
+        all-reduced so every rank agrees."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for p in self.ref_model.parameters():
+        params = [p for p in self.model.parameters() if not p.requires_grad] if self.lora else \
+            self.ref_model.parameters()
+        for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p
             total += local.detach().double().sum()
         if self.world > 1:
@@ -146,10 +175,13 @@ class Learner:
             if mode == "must":
                 raise FileNotFoundError(f"checkpoint.resume=must but no complete checkpoint in {self.cfg.checkpoint_dir}")
             return None
-        meta = checkpoint.load(path, self.model, self.optimizer)
+        meta = checkpoint.load(path, self.model, self.optimizer, critic=self._critic_parts(),
+                               adapters_only=self.lora)
         self.version, self.step = int(meta["version"]), int(meta["step"])
         if "scheduler" in meta:
             self.scheduler.load_state_dict(meta["scheduler"])
+        if self.critic_scheduler is not None:
+            self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
         if "kl_ctl" in meta:
             self.kl_ctl.load(meta["kl_ctl"])
         log.info("resumed from %s: step=%d version=%d", path, self.step, self.version)
@@ -340,6 +372,17 @@ class Learner:
             log_event(self.client, self.keys, "learner_done", version=self.version)
         dist.barrier()
 
+    def _critic_parts(self):
+        return (self.critic, self.critic_optimizer) if self.critic is not None else None
+
+    def _wire_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of what `full_tensors` yields: the base model's names, merged when LoRA."""
+        if self.lora:
+            from learners.lora import merged_shapes
+
+            return merged_shapes(self.model)
+        return [(n, tuple(t.shape)) for n, t in self.model.state_dict().items()]
+
     def train_step(self, groups: list[schema.TrajectoryGroup]) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -351,15 +394,34 @@ class Learner:
         share = batch.num_tokens * self.world / max(float(ntok), 1.0)
         ref_logp = None
         if self.ref_model is not None:
+            from contextlib import nullcontext
+
+            from learners.lora import adapters_disabled
             from learners.step import reference_logprobs
 
-            ref_logp = reference_logprobs(self.ref_model, batch, cfg.generator.temperature)
+            with adapters_disabled(self.model) if self.lora else nullcontext():
+                ref_logp = reference_logprobs(self.ref_model, batch, cfg.generator.temperature)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step's (first) update uses
+        # GAE: the critic scores the behaviour batch before any update; its values give the
+        # advantages (policy) and the returns (critic), both fixed for the step's updates.
+        values = None
+        if self.critic is not None:
+            from learners.critic import old_values
+
+            values = old_values(self.critic, batch)
+        targets = batch_targets(self.model, batch, cfg, ref_logp, self.kl_ctl.value, values)
         st = policy_update(self.model, self.optimizer, batch, cfg, loss_scale=share, ref_logp_BT=ref_logp,
-                           kl_coef=self.kl_ctl.value, scheduler=self.scheduler)
+                           kl_coef=self.kl_ctl.value, scheduler=self.scheduler, targets=targets)
+        if self.critic is not None:
+            from learners.critic import critic_update
+
+            st["critic_lr"] = self.critic_optimizer.param_groups[0]["lr"]
+            st.update(critic_update(self.critic, self.critic_optimizer, batch, values, targets.returns_BT, cfg,
+                                    loss_scale=share, scheduler=self.critic_scheduler))
         # Token-weighted means across ranks (each rank's stat times its token share), maxima for *_max:
-        # the same numbers a single rank would report for the whole batch.
-        names = sorted(k for k in st if k != "grad_norm")
+        # the same numbers a single rank would report for the whole batch. Grad norms are global already.
+        global_stats = ("grad_norm", "value_grad_norm", "critic_lr")
+        names = sorted(k for k in st if k not in global_stats)
         means = torch.tensor([st[k] * share for k in names if not k.endswith("_max")], device=self.device)
         maxes = torch.tensor([st[k] for k in names if k.endswith("_max")], device=self.device)
         if self.world > 1:
@@ -373,7 +435,8 @@ class Learner:
             out["ref_checksum"] = self.ref_checksum
             self.kl_ctl.update(out["kl"], len(groups) * self.world)
         out["lr"] = lr
-        return {**out, "grad_norm": st["grad_norm"], "tokens": float(ntok), "step_s": time.perf_counter() - t0}
+        out.update({k: st[k] for k in global_stats if k in st})
+        return {**out, "tokens": float(ntok), "step_s": time.perf_counter() - t0}
 
     def verify_fleet_weights(self) -> None:
         """Each generator reports the version it holds and the checksums of the buckets it received;
@@ -408,10 +471,12 @@ class Learner:
         t0 = time.perf_counter()
         meta = {"version": self.version, "step": self.step, "time": time.time(),
                 "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state()}
+        if self.critic_scheduler is not None:
+            meta["critic_scheduler"] = self.critic_scheduler.state_dict()
         if self.rank == 0:
             meta["cursor"] = {k.decode(): v.decode() for k, v in self.client.hgetall(self.keys.cursor).items()}
         path = checkpoint.save(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, meta,
-                               self.cfg.checkpoint.keep)
+                               self.cfg.checkpoint.keep, critic=self._critic_parts(), adapters_only=self.lora)
         # Only now is the update durable: ack the trajectories that shaped it.
         self._ack()
         if self.rank == 0:
@@ -419,7 +484,13 @@ class Learner:
                         seconds=f"{time.perf_counter() - t0:.3f}")
 
     def full_tensors(self):
-        """(name, full tensor) in state-dict order; a collective on every rank (FSDP2 all-gather)."""
+        """(name, full tensor) in state-dict order; a collective on every rank (FSDP2 all-gather).
+        With LoRA: the merged weights under the base model's names (learners/lora.py)."""
+        if self.lora:
+            from learners.lora import merged_tensors
+
+            yield from merged_tensors(self.model)
+            return
         for name, t in self.model.state_dict().items():
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             yield name, full.detach()
