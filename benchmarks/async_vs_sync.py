@@ -17,6 +17,11 @@ Throughputs are measured over the steady window (first step to last step), so pr
 (vLLM, torchrun) is excluded; total wall time including start-up is reported too. Pipeline
 efficiency = async trained tokens/s / min(generator alone, learner alone).
 Generator idle ratios are read from `gen:*` heartbeats (`idle_s`) polled during the run.
+
+Stages on their own cores: `--preset cpu-pinned` (generator on CPU 0; learner, buffer and Redis on
+CPU 1, via `generator.cpus` / `learner.cpus` / `buffer.cpus`; learner.ppo_epochs=8 so the stages
+are balanced on this 2-core box). Every run, the stage-alone ones included, is pinned the same way;
+the CPUs each process really ran on are read back during the run and written to the results.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ PRESETS = {
     # Balanced on a 2-core box: one generator limited to 2 groups in flight vs one learner rank.
     "cpu": ["generator.max_concurrent_groups=2", "generator.kv_cache_gb=0.5", "learner.batch_groups=8",
             "algorithm.max_staleness=2", "logging.prometheus=false", "run.stall_timeout_s=0"],
+    # The same, each stage on its own core: the generator's vLLM processes on CPU 0, the learner (and
+    # the buffer and Redis, which are light) on CPU 1; 8 PPO epochs make the learner as slow as the engine.
+    "cpu-pinned": ["generator.max_concurrent_groups=2", "generator.kv_cache_gb=0.5", "learner.batch_groups=8",
+                   "learner.ppo_epochs=8", "algorithm.max_staleness=2", "logging.prometheus=false",
+                   "run.stall_timeout_s=0", "generator.cpus=0", "learner.cpus=1", "buffer.cpus=1"],
     # One GPU shared by one vLLM engine and one learner rank (the stages do not get their own device).
     "gpu": ["data.task=gsm8k", "reward.name=gsm8k", "data.chat_template=true", "generator.n=8",
             "generator.max_tokens=512", "generator.max_model_len=1024", "generator.max_concurrent_groups=64",
@@ -93,6 +103,47 @@ class HeartbeatPoller(threading.Thread):
         return statistics.mean(ratios) if ratios else None
 
 
+def affinity_snapshot(pids: list[int]) -> list[dict]:
+    """Each live process under `pids` (and itself) with the CPUs the kernel lets it run on."""
+    import psutil
+
+    from asyncrl.affinity import format_cpus
+
+    out = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                cmd = " ".join(p.cmdline())
+                out.append({"pid": p.pid, "cmd": cmd[:160], "cpus": format_cpus(p.cpu_affinity()),
+                            "threads": p.num_threads()})
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    return out
+
+
+def snapshot_when(ready, pids_fn, timeout_s: float = 900) -> dict:
+    """Starts a thread that takes `affinity_snapshot(pids_fn())` once `ready()` is true (the run is in
+    its steady state: every role is up); the dict it fills holds the snapshot under "procs"."""
+    box: dict = {}
+
+    def watch():
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if ready():
+                time.sleep(1.0)
+                box["procs"] = affinity_snapshot(pids_fn())
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return box
+
+
 def window_stats(rows: list[dict]) -> dict:
     """Steady-state numbers from a run's metrics rows: the window from the first to the last step."""
     first, last = rows[0], rows[-1]
@@ -131,10 +182,12 @@ def run_mode(mode: str, base: list[str], out_dir: Path, env: dict) -> dict:
 
     poller = HeartbeatPoller(url, name)
     poller.start()
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     with open(out_dir / f"{name}.log", "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "asyncrl", "run", *overrides], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", *overrides], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        snap = snapshot_when(lambda: len(_rows(run_dir)) >= 2, lambda: [proc.pid])
+        rc = proc.wait()
     wall = time.time() - t0
     poller.done.set()
     poller.join()
@@ -142,7 +195,8 @@ def run_mode(mode: str, base: list[str], out_dir: Path, env: dict) -> dict:
         raise RuntimeError(f"{mode} run failed (rc={rc}); see {out_dir / f'{name}.log'}")
     stats = window_stats(_rows(run_dir))
     stats.update(mode=mode, wall_s=wall, run_dir=str(run_dir),
-                 generator_idle_ratio=poller.idle_ratio(*stats["window"]))
+                 generator_idle_ratio=poller.idle_ratio(*stats["window"]),
+                 load_avg_1m=(load0, os.getloadavg()[0]), processes=snap.get("procs", []))
     return stats
 
 
@@ -166,11 +220,13 @@ def _wait_left(proc: subprocess.Popen, client, keys, timeout_s: float = 240) -> 
 def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_s: float) -> dict:
     """Generator alone (no learner consuming), then the learner alone on what it generated."""
     from asyncrl import schema
+    from asyncrl.affinity import cpus_of
     from asyncrl.keys import Keys, connect
     from asyncrl.redis_server import LocalRedis
 
     name = "bench-stages"
-    redis = LocalRedis(out_dir / "redis-stages").start()
+    probe = load_config(None, base)
+    redis = LocalRedis(out_dir / "redis-stages", cpus=cpus_of(probe, "buffer")).start()  # as the launcher's
     try:
         cfg = load_config(None, [*base, f"run.dir={out_dir}", f"run.name={name}", f"buffer.redis_url={redis.url}",
                                  "algorithm.max_staleness=100000", f"run.max_steps={steps}"])
@@ -183,6 +239,8 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
                                      stdout=logs[r], stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                      start_new_session=True) for r in ("buffer", "generator")}
         need = steps * cfg.learner.batch_groups
+        gen_snap = snapshot_when(lambda: client.xlen(keys.trajectories) >= 4,
+                                 lambda: [redis.proc.pid, procs["buffer"].pid, procs["generator"].pid])
         deadline = time.time() + 900
         while client.xlen(keys.trajectories) < 2 and time.time() < deadline:
             assert procs["generator"].poll() is None, "generator died; see its log"
@@ -207,6 +265,7 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
         client.delete(keys.stop)
         learner = subprocess.Popen([*py, "learner", str(cfg_path)], stdout=logs["learner"],
                                    stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        learn_snap = snapshot_when(lambda: len(_rows(out_dir / name)) >= 2, lambda: [redis.proc.pid, learner.pid])
         if learner.wait(timeout=900) != 0:
             raise RuntimeError(f"learner-alone run failed; see {out_dir / f'{name}-learner.log'}")
         for f in logs.values():
@@ -215,7 +274,8 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
         return {"generator_tokens_per_s": gen_tps, "generator_groups": len(groups), "generator_window_s": span,
                 "sample_len_mean": statistics.mean(lengths), "sample_len_max": max(lengths),
                 "learner_tokens_per_s": learn["trained_tokens_per_s"], "learner_step_s_median": learn["step_s_median"],
-                "learner_steps": learn["steps"]}
+                "learner_steps": learn["steps"], "generator_processes": gen_snap.get("procs", []),
+                "learner_processes": learn_snap.get("procs", [])}
     finally:
         redis.stop()
 
@@ -246,7 +306,7 @@ def main() -> int:
            "PYTHONPATH": str(REPO)}
     results = {"preset": args.preset, "steps": args.steps, "overrides": base, "cpus": os.cpu_count(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m]:
         results["modes"][mode] = run_mode(mode, base, out_dir, env)
         print(f"{mode}: {results['modes'][mode]['trained_tokens_per_s']:.1f} trained tok/s", flush=True)
     if not args.no_stages:
@@ -285,6 +345,11 @@ def summarize(results: dict) -> None:
               f"(mean sample length {st['sample_len_mean']:.2f})")
     results["derived"] = derived
     print(" ".join(f"{k}={v:.3f}" for k, v in derived.items()))
+    for m, s in modes.items():
+        by_cpus: dict[str, int] = {}
+        for p in s.get("processes", []):
+            by_cpus[p["cpus"]] = by_cpus.get(p["cpus"], 0) + 1
+        print(f"{m}: processes by allowed CPUs {by_cpus}")
 
 
 if __name__ == "__main__":
