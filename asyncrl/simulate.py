@@ -486,6 +486,8 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--no-scale-batch", action="store_true", help="keep batch_groups and learner speed fixed")
     p.add_argument("--validate", action="store_true", help="simulate the calibrated run itself and compare")
+    p.add_argument("--against", help="with --validate: predict this other run (its run.mode, staleness and "
+                   "steps) from --from-run's calibration, and compare with it (cross-mode validation)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("set", nargs="*", help="SimConfig overrides, e.g. len_sigma=1.0 sync_s=2 steps=20")
     p.set_defaults(fn=main)
@@ -514,8 +516,14 @@ def main(args: argparse.Namespace) -> int:
     if args.validate:
         if not args.from_run:
             raise SystemExit("asyncrl simulate --validate needs --from-run RUN_DIR")
-        pred, real = simulate(base), measured(rows)
-        result["validation"] = {"predicted": {k: getattr(pred, k) for k in real}, "measured": real}
+        target = base
+        if args.against:  # the other run's coupling; every rate stays the calibrated one
+            other_cfg, rows = load_run(args.against)
+            target = replace(base, mode="sync" if other_cfg["run"]["mode"] == "sync" else "async",
+                             max_staleness=other_cfg["algorithm"]["max_staleness"], steps=len(rows))
+        pred, real = simulate(target), measured(rows)
+        result["validation"] = {"predicted": {k: getattr(pred, k) for k in real}, "measured": real,
+                                "against": args.against or args.from_run, "mode": target.mode}
         for k, v in real.items():
             p = getattr(pred, k)
             err = (p - v) / v if v else float("nan")
