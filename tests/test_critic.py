@@ -1,6 +1,6 @@
 """The critic for algorithm.advantage=gae (learners/critic.py): values line up with the completion
 tokens, GAE advantages and returns come out as computed by hand, the value loss goes down, a learner
-trains with it at generator.n=1, and a resumed learner continues with the critic it had saved."""
+trains with it at generator.n=1 (world size 2), and a resumed learner continues with the critic it had saved."""
 
 import json
 import subprocess
@@ -106,7 +106,8 @@ GAE = ["algorithm.advantage=gae", "generator.n=1", "learner.batch_groups=4", "le
 
 @pytest.mark.slow
 def test_gae_learner_trains_the_critic_with_single_samples(tmp_path, tiny_model):
-    redis, cfg, path, _, _ = _start(tmp_path, tiny_model, "gae", [*GAE, "run.max_steps=3"],
+    # World size 2: the critic is sharded with FSDP2 like the policy.
+    redis, cfg, path, _, _ = _start(tmp_path, tiny_model, "gae", [*GAE, "run.max_steps=3", "learner.nproc=2"],
                                     fixed_groups(12, seed=1, n=1))
     try:
         _learn(tmp_path, path, "gae.log")
