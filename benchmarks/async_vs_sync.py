@@ -102,6 +102,14 @@ class HeartbeatPoller(threading.Thread):
                 ratios.append((mine[-1][3] - mine[0][3]) / (mine[-1][0] - mine[0][0]))
         return statistics.mean(ratios) if ratios else None
 
+    def busy_rate(self, t0: float, t1: float) -> float | None:
+        """Generated tokens per non-idle second over [t0, t1] (one generator: the stage-alone run)."""
+        mine = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(mine) < 2:
+            return None
+        busy = (mine[-1][0] - mine[0][0]) - (mine[-1][3] - mine[0][3])
+        return (mine[-1][2] - mine[0][2]) / busy if busy > 0 else None
+
 
 def affinity_snapshot(pids: list[int]) -> list[dict]:
     """Each live process under `pids` (and itself) with the CPUs the kernel lets it run on."""
@@ -239,6 +247,8 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
                                      stdout=logs[r], stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                      start_new_session=True) for r in ("buffer", "generator")}
         need = steps * cfg.learner.batch_groups
+        poller = HeartbeatPoller(lambda: redis.url, name)
+        poller.start()
         gen_snap = snapshot_when(lambda: client.xlen(keys.trajectories) >= 4,
                                  lambda: [redis.proc.pid, procs["buffer"].pid, procs["generator"].pid])
         deadline = time.time() + 900
@@ -261,6 +271,9 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
         # The first group's creation marks the start; tokens of the groups after it over the span.
         span = groups[-1].created_at - groups[0].created_at
         gen_tps = sum(g.num_tokens() for g in groups[1:]) / max(span, 1e-9)
+        poller.done.set()
+        poller.join()
+        window = (groups[0].created_at, groups[-1].created_at)
         lengths = [s.num_tokens for g in groups for s in g.samples]
         client.delete(keys.stop)
         learner = subprocess.Popen([*py, "learner", str(cfg_path)], stdout=logs["learner"],
@@ -272,6 +285,8 @@ def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_
             f.close()
         learn = window_stats(_rows(out_dir / name))
         return {"generator_tokens_per_s": gen_tps, "generator_groups": len(groups), "generator_window_s": span,
+                "generator_idle_ratio": poller.idle_ratio(*window),
+                "generator_busy_tokens_per_s": poller.busy_rate(*window),
                 "sample_len_mean": statistics.mean(lengths), "sample_len_max": max(lengths),
                 "learner_tokens_per_s": learn["trained_tokens_per_s"], "learner_step_s_median": learn["step_s_median"],
                 "learner_steps": learn["steps"], "generator_processes": gen_snap.get("procs", []),
@@ -341,7 +356,9 @@ def summarize(results: dict) -> None:
         derived["ideal_speedup"] = min(g, lr) * (1 / g + 1 / lr)
         for m in modes:
             derived[f"efficiency_{m}"] = modes[m]["trained_tokens_per_s"] / min(g, lr)
-        print(f"stages alone: generator {g:.1f} tok/s, learner {lr:.1f} tok/s "
+        gi, gb = st.get("generator_idle_ratio"), st.get("generator_busy_tokens_per_s")
+        print(f"stages alone: generator {g:.1f} tok/s (idle {'n/a' if gi is None else f'{gi:.2f}'}, "
+              f"{'n/a' if gb is None else f'{gb:.1f}'} per busy second), learner {lr:.1f} tok/s "
               f"(mean sample length {st['sample_len_mean']:.2f})")
     results["derived"] = derived
     print(" ".join(f"{k}={v:.3f}" for k, v in derived.items()))
