@@ -7,12 +7,15 @@ State machine: `waiting_weights` (holds no current version: generates nothing) -
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 
 import zmq.asyncio
 
@@ -321,6 +324,10 @@ class Generator:
         finally:
             for h in helpers:
                 h.cancel()
+            # Bounded: a helper inside a Redis call under retry may take a moment to see the cancel.
+            _, stuck = await asyncio.wait(helpers, timeout=5)
+            if stuck:
+                log.warning("generator %s: %d helper tasks did not stop within 5s; leaving anyway", self.id, len(stuck))
             await self.redis.delete(self.keys.gen(self.id))
             await self.redis.xadd(self.keys.events, {"kind": "generator_leave", "id": self.id, "t": f"{time.time():.3f}"})
             self.outbox.close()
@@ -334,14 +341,27 @@ def main(cfg: Config, generator_id: str) -> None:
     try:
         import uvloop
 
-        uvloop.install()
+        new_loop = uvloop.new_event_loop
     except ImportError:
-        pass
-    asyncio.run(Generator(cfg, generator_id).run())
-    # Everything is released at this point (heartbeat deleted, outbox drained, engine shut down), but
-    # a non-daemon thread left by a library can keep the interpreter from exiting; a generator that
-    # said it left must be gone, so end the process here.
+        new_loop = asyncio.new_event_loop
+    code = 0
+    try:
+        # Not asyncio.run: its teardown waits for every leftover task and executor thread, without a
+        # bound; a generator that has left (heartbeat deleted, outbox drained, engine shut down) was
+        # seen to hang there under load. Nothing is left to clean up once run() has returned.
+        loop = new_loop()
+        loop.run_until_complete(Generator(cfg, generator_id).run())
+        leftover = [t.get_coro().__qualname__ for t in asyncio.all_tasks(loop) if not t.done()]
+        threads = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+        if leftover or threads:
+            log.info("generator %s exits past leftover tasks=%s non-daemon threads=%s", generator_id, leftover, threads)
+    except BaseException:  # noqa: BLE001 - printed in full, then a non-zero exit
+        traceback.print_exc()
+        code = 1
+    # A non-daemon thread left by a library could also keep the interpreter from exiting: end the
+    # process here. Should even the flushing below hang, say where and exit.
+    faulthandler.dump_traceback_later(30, exit=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
