@@ -22,7 +22,7 @@ efficiency = async trained tokens/s / min(generator alone, learner alone).
 Generator idle ratios are read from `gen:*` heartbeats (`idle_s`) polled during the run.
 
 Stages on their own cores: `--preset cpu-pinned` (generator on CPU 0; learner, buffer and Redis on
-CPU 1, via `generator.cpus` / `learner.cpus` / `buffer.cpus`; learner.ppo_epochs=5 with 32 groups a
+CPU 1, via `generator.cpus` / `learner.cpus` / `buffer.cpus`; learner.ppo_epochs=6 with 32 groups a
 step, so the stages are balanced on the 2-core box and the per-step weight sync is amortised). Every run, the stage-alone ones included, is pinned the same way;
 the CPUs each process really ran on are read back during the run and written to the results.
 """
@@ -49,9 +49,9 @@ PRESETS = {
     "cpu": ["generator.max_concurrent_groups=2", "generator.kv_cache_gb=0.5", "learner.batch_groups=8",
             "algorithm.max_staleness=2", "logging.prometheus=false", "run.stall_timeout_s=0"],
     # Each stage on its own core: the generator's vLLM processes on CPU 0, the learner (and the buffer
-    # and Redis, which are light) on CPU 1; 5 PPO epochs make the learner about as fast as the engine.
+    # and Redis, which are light) on CPU 1; 6 PPO epochs make the learner about as fast as the engine.
     "cpu-pinned": ["generator.max_concurrent_groups=2", "generator.kv_cache_gb=0.5", "learner.batch_groups=32",
-                   "learner.ppo_epochs=5", "algorithm.max_staleness=2", "logging.prometheus=false",
+                   "learner.ppo_epochs=6", "algorithm.max_staleness=2", "logging.prometheus=false",
                    "run.stall_timeout_s=0", "generator.cpus=0", "learner.cpus=1", "buffer.cpus=1"],
     # One GPU shared by one vLLM engine and one learner rank (the stages do not get their own device).
     "gpu": ["data.task=gsm8k", "reward.name=gsm8k", "data.chat_template=true", "generator.n=8",
@@ -361,6 +361,10 @@ def summarize(results: dict) -> None:
         derived["speedup_wall"] = modes["sync"]["wall_s"] / modes["async"]["wall_s"]
     if (st := results.get("stages")) is not None:
         g, lr = st["generator_tokens_per_s"], st["learner_tokens_per_s"]
+        gi, gb = st.get("generator_idle_ratio"), st.get("generator_busy_tokens_per_s")
+        print(f"stages alone: generator {g:.1f} tok/s (idle {'n/a' if gi is None else f'{gi:.2f}'}, "
+              f"{'n/a' if gb is None else f'{gb:.1f}'} per busy second), learner {lr:.1f} tok/s "
+              f"(mean sample length {st['sample_len_mean']:.2f})")
         if (fin := results.get("stages_final")) is not None:
             derived["generator_alone_initial"], derived["learner_alone_initial"] = g, lr
             derived["generator_alone_final"] = fin["generator_tokens_per_s"]
@@ -374,10 +378,6 @@ def summarize(results: dict) -> None:
         derived["ideal_speedup"] = min(g, lr) * (1 / g + 1 / lr)
         for m in modes:
             derived[f"efficiency_{m}"] = modes[m]["trained_tokens_per_s"] / min(g, lr)
-        gi, gb = st.get("generator_idle_ratio"), st.get("generator_busy_tokens_per_s")
-        print(f"stages alone: generator {g:.1f} tok/s (idle {'n/a' if gi is None else f'{gi:.2f}'}, "
-              f"{'n/a' if gb is None else f'{gb:.1f}'} per busy second), learner {lr:.1f} tok/s "
-              f"(mean sample length {st['sample_len_mean']:.2f})")
     results["derived"] = derived
     print(" ".join(f"{k}={v:.3f}" for k, v in derived.items()))
     for m, s in modes.items():
