@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,7 +84,13 @@ def run_standalone(cfg, prompt_texts: list[str]) -> dict:
         return sum(len(s.token_ids) for g in outs for s in g), time.perf_counter() - t0
 
     try:
-        tokens, seconds = asyncio.run(go())
+        try:  # the generator process runs on uvloop: so does the standalone engine here
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        tokens, seconds = loop.run_until_complete(go())
     finally:
         engine.shutdown()
     return {"tokens": tokens, "seconds": seconds, "groups": len(prompts), "tokens_per_s": tokens / seconds}
@@ -99,6 +106,8 @@ def main() -> None:
     ap.add_argument("--warm-start-steps", type=int, default=30,
                     help="supervised warm start of the default tiny model: 30 -> ~4-token answers (the worst "
                          "case for per-group overhead); 0 -> random weights that write to max_tokens")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="pairs of runs, order alternating (gen, alone), (alone, gen), ...; the median pair ratio")
     ap.add_argument("--out", default="generator_overhead.json")
     args = ap.parse_args()
 
@@ -109,27 +118,41 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="gen-overhead-"))
     model = args.model or str(write_tiny_model(tmp / "model", seed=0, warm_start_steps=args.warm_start_steps))
     redis = LocalRedis(tmp / "redis").start()
+    pairs = []
     try:
-        cfg = load_config(None, [
-            f"run.dir={tmp / 'runs'}", "run.name=bench", f"model.path={model}", f"buffer.redis_url={redis.url}",
-            f"data.num_prompts={args.prompts}", f"generator.n={args.n}", f"generator.max_tokens={args.max_tokens}",
-            f"generator.max_model_len={64 + args.max_tokens}", f"generator.max_concurrent_groups={args.concurrency}",
-            # every prompt released at once (no learner here): admission = (0 + staleness + 1) * groups/step
-            f"learner.batch_groups={args.prompts}", "algorithm.max_staleness=0",
-            f"buffer.prompt_backlog={args.prompts}", "logging.prometheus=false"])
-        gen = run_generator(cfg, tmp, args.prompts)
-        from buffers.service import load_prompts
+        for rep in range(args.repeats):
+            cfg = load_config(None, [
+                f"run.dir={tmp / 'runs'}", f"run.name=bench{rep}", f"model.path={model}",
+                f"buffer.redis_url={redis.url}", f"data.num_prompts={args.prompts}", f"generator.n={args.n}",
+                f"generator.max_tokens={args.max_tokens}", f"generator.max_model_len={64 + args.max_tokens}",
+                f"generator.max_concurrent_groups={args.concurrency}",
+                # every prompt released at once (no learner here): admission = (0 + staleness + 1) * groups/step
+                f"learner.batch_groups={args.prompts}", "algorithm.max_staleness=0",
+                f"buffer.prompt_backlog={args.prompts}", "logging.prometheus=false"])
+            from buffers.service import load_prompts
 
-        rows = {r.prompt_id: r.prompt for r in load_prompts(cfg)}
-        alone = run_standalone(cfg, [rows[p] for p in gen.pop("prompts")])
+            texts = [r.prompt for r in load_prompts(cfg)][: args.prompts]
+            # Alternating order, so that a drift in machine load does not always favour one side.
+            if rep % 2 == 0:
+                gen = run_generator(cfg, tmp, args.prompts)
+                alone = run_standalone(cfg, texts)
+            else:
+                alone = run_standalone(cfg, texts)
+                gen = run_generator(cfg, tmp, args.prompts)
+            gen.pop("prompts")
+            pairs.append({"standalone": alone, "generator": gen,
+                          "ratio": gen["tokens_per_s"] / alone["tokens_per_s"]})
     finally:
         redis.stop()
-    ratio = gen["tokens_per_s"] / alone["tokens_per_s"]
-    print(f"{'':24s}{'tokens':>10s}{'seconds':>10s}{'tokens/s':>12s}")
-    for name, r in (("standalone vLLM engine", alone), ("generator process", gen)):
-        print(f"{name:24s}{r['tokens']:>10d}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}")
-    print(f"generator / standalone: {ratio:.1%} (target >= 95%)")
-    result = {"config": vars(args), "standalone": alone, "generator": gen, "ratio": ratio}
+    print(f"{'pair':>4} {'':24s}{'tokens':>10s}{'seconds':>10s}{'tokens/s':>12s}{'ratio':>8s}")
+    for i, pair in enumerate(pairs):
+        for name, key in (("standalone vLLM engine", "standalone"), ("generator process", "generator")):
+            r = pair[key]
+            ratio = f"{pair['ratio']:.1%}" if key == "generator" else ""
+            print(f"{i:>4} {name:24s}{r['tokens']:>10d}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}{ratio:>8s}")
+    ratio = statistics.median(p["ratio"] for p in pairs)
+    print(f"generator / standalone, median of {len(pairs)} pairs: {ratio:.1%} (target >= 95%)")
+    result = {"config": vars(args), "pairs": pairs, "ratio": ratio}
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -142,7 +142,7 @@ class Generator:
 
     async def _follow_weights(self, last_ann):
         w = self.cfg.weights
-        epoch_frame = await self.redis.get(self.keys.wgroup)
+        epoch_frame, ann_frame = await self.redis.mget(self.keys.wgroup, self.keys.wsync)  # one round trip
         if epoch_frame:
             info = schema.decode(epoch_frame, schema.GroupEpoch)
             if info.epoch > self.epoch and any(m.startswith(f"{self.id}.") for m in info.members):
@@ -150,7 +150,7 @@ class Generator:
                 if ok:
                     self.epoch = info.epoch
                 log.info("generator %s join epoch=%d ok=%s", self.id, info.epoch, ok)
-        ann_frame = await self.redis.get(self.keys.wsync)
+                ann_frame = await self.redis.get(self.keys.wsync)  # may have moved on while we joined
         if not ann_frame or self.epoch < 0:
             return last_ann
         ann = schema.decode(ann_frame, schema.WeightAnnouncement)
