@@ -417,6 +417,13 @@ def calibrate(run_cfg: dict, rows: list[dict], **overrides) -> SimConfig:
     return replace(cfg, **overrides)
 
 
+def retarget(cfg: SimConfig, run_cfg: dict, rows: list[dict]) -> SimConfig:
+    """`cfg`'s calibrated rates with another run's coupling (mode, staleness bound, steps): what the
+    model predicts for that run (cross-mode validation: calibrate from sync, predict async)."""
+    return replace(cfg, mode="sync" if run_cfg["run"]["mode"] == "sync" else "async",
+                   max_staleness=run_cfg["algorithm"]["max_staleness"], steps=len(rows))
+
+
 def measured(rows: list[dict]) -> dict:
     """The same numbers SimResult has, from a real run's rows (window: first step to last step)."""
     a, b = rows[0], rows[-1]
@@ -519,8 +526,7 @@ def main(args: argparse.Namespace) -> int:
         target = base
         if args.against:  # the other run's coupling; every rate stays the calibrated one
             other_cfg, rows = load_run(args.against)
-            target = replace(base, mode="sync" if other_cfg["run"]["mode"] == "sync" else "async",
-                             max_staleness=other_cfg["algorithm"]["max_staleness"], steps=len(rows))
+            target = retarget(base, other_cfg, rows)
         pred, real = simulate(target), measured(rows)
         result["validation"] = {"predicted": {k: getattr(pred, k) for k in real}, "measured": real,
                                 "against": args.against or args.from_run, "mode": target.mode}
