@@ -15,6 +15,7 @@ Redis first, then each bucket is broadcast from rank 0. gloo on CPU, NCCL on CUD
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ ALIGN = 64  # byte alignment of every tensor inside a bucket, so views of any dt
 # storage as it is (no packing copy) when dtype and device already match. Nearly all of an LLM's bytes
 # are in such matrices; the small ones (norms, biases) are still packed together.
 DIRECT_BYTES = 1 << 20
+PIPELINE_DEPTH = 4  # buckets in flight at once, on both ends (the sender's packing pool has as many)
 
 
 class SyncTimeout(RuntimeError):
@@ -184,18 +186,20 @@ class WeightSender:
     def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor]) -> list[int]:
         """Broadcasts each flat bucket (already packed) in order; returns their checksums."""
         assert self.pg is not None, "broadcast without a group"
-        # Pipelined: bucket k is on the wire while bucket k+1 is gathered and packed (the zip pulls
-        # the next one only after k's broadcast was started), so at most two buckets are alive.
-        sums, in_flight = [], None
+        # Pipelined: up to PIPELINE_DEPTH buckets are on the wire while the next one is gathered and
+        # packed (the zip pulls it only after the previous broadcast was started). Several in flight,
+        # not one: a receiver that is scheduled late (more processes than cores) then does not stall
+        # the whole fleet at every bucket boundary.
+        sums, in_flight = [], collections.deque()
         for bucket, buf in zip(buckets, bucket_tensors, strict=True):
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
             work = _start_broadcast(self.pg, buf, self.sync_timeout_s)
-            if in_flight is not None:
-                _wait(in_flight[0], self.sync_timeout_s)
             sums.append(bucket_checksum(buf))  # read-only while it is being sent
-            in_flight = (work, buf)  # a direct bucket is a parameter's own storage: keep it alive until sent
-        if in_flight is not None:
-            _wait(in_flight[0], self.sync_timeout_s)
+            in_flight.append((work, buf))  # a direct bucket is a parameter's own storage: keep it alive
+            while len(in_flight) >= PIPELINE_DEPTH:  # frees the pool slot pack_buckets fills next
+                _wait(in_flight.popleft()[0], self.sync_timeout_s)
+        while in_flight:
+            _wait(in_flight.popleft()[0], self.sync_timeout_s)
         return sums
 
     def drop_group(self) -> None:
@@ -212,12 +216,13 @@ def pack_buckets(buckets: list[Bucket], tensors: Iterator[tuple[str, torch.Tenso
 
     A bucket holding one tensor that already has the bucket's dtype and device, is contiguous and
     fills the bucket exactly is yielded as that tensor's own bytes: no copy. Every other bucket is
-    packed (cast and copied in one pass) into one of two buffers of the largest bucket's size
-    (allocated only when a bucket needs packing), reused in turn (the sender has finished sending a buffer before it asks for the bucket after
-    next), so peak memory is two buckets plus one gathered tensor.
+    packed (cast and copied in one pass) into one of PIPELINE_DEPTH buffers, each grown to the largest
+    bucket it has held (none is allocated unless a bucket needs packing), reused in turn: the sender
+    keeps fewer than PIPELINE_DEPTH buckets in flight while it asks for the next one, so a slot is
+    free again by then.
     """
     it = iter(tensors)
-    pool = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]  # grown on first need
+    pool = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(PIPELINE_DEPTH)]  # grown on need
     packed = 0
     for bucket in buckets:
         if len(bucket.tensors) == 1:
@@ -232,9 +237,9 @@ def pack_buckets(buckets: list[Bucket], tensors: Iterator[tuple[str, torch.Tenso
             parts = [(meta, t)]
         else:
             parts = None
-        slot = packed % 2
+        slot = packed % PIPELINE_DEPTH
         if pool[slot].numel() < bucket.nbytes:
-            pool[slot] = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=device)
+            pool[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         buf = pool[slot][: bucket.nbytes]
         packed += 1
         buf[-8:].zero_()  # padding bytes take part in the checksum
@@ -292,16 +297,19 @@ class WeightReceiver:
         self.checksums = []
 
         def post(bucket):
+            # A buffer per bucket, not one for the whole model: measured faster on CPU (freed buckets
+            # of the previous sync are recycled by the allocator, one huge block is faulted in anew).
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
             return buf, _start_broadcast(self.pg, buf, timeout_s)
 
-        # Pipelined like the sender: bucket k+1 is already being received while the loader copies
-        # bucket k's tensors. Each bucket is a fresh buffer: the loader may keep views of it.
-        nxt = post(ann.buckets[0]) if ann.buckets else None
+        # Pipelined like the sender: the next PIPELINE_DEPTH - 1 buckets are already being received
+        # while the loader copies this one's tensors. Buffers are never reused: the loader may keep views.
+        posted = collections.deque(post(b) for b in ann.buckets[:PIPELINE_DEPTH])
         for i, bucket in enumerate(ann.buckets):
-            buf, work = nxt
+            buf, work = posted.popleft()
             _wait(work, timeout_s)
-            nxt = post(ann.buckets[i + 1]) if i + 1 < len(ann.buckets) else None
+            if i + PIPELINE_DEPTH < len(ann.buckets):
+                posted.append(post(ann.buckets[i + PIPELINE_DEPTH]))
             self.checksums.append(bucket_checksum(buf))
             for meta in bucket.tensors:
                 view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
