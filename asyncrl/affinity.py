@@ -132,12 +132,11 @@ def preexec(cpus: tuple[int, ...]) -> Callable[[], None] | None:
 
 
 def apply_to_self(cfg: Config, role: str) -> None:
-    """A role's entry point: checks its CPUs, pins this process and sets its thread environment.
-    Call it before torch or vLLM is imported (they size their thread pools once, at import)."""
+    """A role's entry point, after `check_available`: pins this process and sets its thread
+    environment. Call it before torch or vLLM is imported (they size their thread pools once, at import)."""
     cpus = cpus_of(cfg, role)
     if not cpus:
         return
-    check_available(cfg, (role,))
     if os.sched_getaffinity(0) != set(cpus):
         os.sched_setaffinity(0, set(cpus))
     env = role_env(cfg, role)

@@ -85,7 +85,6 @@ class Launcher:
 
     def _run(self) -> int:
         cfg = self.cfg
-        affinity.check_available(cfg)  # before anything starts: a CPU this machine lacks is a config error
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.buffer.redis_url:
             from asyncrl.security import redis_password

@@ -236,14 +236,14 @@ def pack_buckets(buckets: list[Bucket], tensors: Iterator[tuple[str, torch.Tenso
                 continue
             parts = [(meta, t)]
         else:
-            parts = None
+            parts = _named(it, bucket)
         slot = packed % PIPELINE_DEPTH
         if pool[slot].numel() < bucket.nbytes:
             pool[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         buf = pool[slot][: bucket.nbytes]
         packed += 1
         buf[-8:].zero_()  # padding bytes take part in the checksum
-        for meta, t in parts or _named(it, bucket):
+        for meta, t in parts:
             assert list(t.shape) == meta.shape, f"{meta.name}: shape {list(t.shape)} != planned {meta.shape}"
             # One pass: copy_ casts and moves while it writes into the bucket.
             buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).copy_(t)
