@@ -65,7 +65,7 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
 
     from generators.vllm_engine import VllmEngine
 
-    cfg = make_cfg("generator.max_tokens=12")
+    cfg = make_cfg("generator.max_tokens=12", "generator.dtype=float32")  # fp32: log-probs compared exactly below
     tok = AutoTokenizer.from_pretrained(tiny_model)
     # The learner's side: the same model after an update (here a random perturbation of every weight).
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -97,6 +97,9 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
         stats = await engine.update_weights(schema.encode(ann), "keep", 60)
         assert stats["checksums"] == await sent
         after = await _vllm_greedy(engine, tok, PROMPTS, 12)
+        # Behaviour log-probs as the generator records them (engine.generate_group), under the pushed weights.
+        prompt = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
+        sampled = await engine.generate_group(prompt, 4, lambda: 1)
 
         # A learner that dies after the first bucket of the next push: the receive fails, nothing is
         # loaded (weights.atomic), and the engine keeps serving the weights it had, unharmed.
@@ -111,12 +114,21 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
             await engine.update_weights(ann_frame, "keep", 20)
         after_failure = await _vllm_greedy(engine, tok, PROMPTS, 12)
         dying.join(timeout=30)
-        return before, after, after_failure
+        return before, after, after_failure, prompt, sampled
 
     try:
-        before, after, after_failure = asyncio.run(scenario())
+        before, after, after_failure, prompt, sampled = asyncio.run(scenario())
     finally:
         engine.shutdown()
     assert before != want, "the perturbation should change greedy output, or the test proves nothing"
     assert after == want
     assert after_failure == want, "a failed push must leave the engine on its previous weights"
+    # Each sampled token's behaviour log-prob is the pushed model's log-softmax (at the sampling
+    # temperature) of that very token: a misaligned or mis-copied log-prob would not match.
+    for s in sampled:
+        assert len(s.token_ids) == len(s.logprobs) == len(s.versions) > 0 and set(s.versions) == {1}
+        ids = torch.tensor([prompt + s.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1: -1].float() / cfg.generator.temperature
+        want_lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.logprobs), want_lp, atol=2e-3), (s.logprobs, want_lp.tolist())
