@@ -159,6 +159,9 @@ class LearnerConfig:
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer
+    # Keep the output head's logits (matmul dtype) for the backward instead of recomputing them, when
+    # all of one micro-batch's completion-token logits fit in this many GiB (0: always recompute).
+    keep_logits_gb: float = 0.0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr

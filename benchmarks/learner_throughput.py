@@ -84,12 +84,19 @@ def matmul_params(model) -> int:
     return n
 
 
-def flops_per_token(model, seq: int) -> tuple[float, float]:
-    """(train: fwd+bwd, no-grad fwd) FLOPs per token; see the module docstring."""
+def flops_per_token(model, seq: int, head: bool = True) -> tuple[float, float]:
+    """(train: fwd+bwd, no-grad fwd) FLOPs per token; see the module docstring. head=False: without
+    the output head's V x H matmul (the RL step runs it on completion tokens only)."""
     c = model.config
-    n = matmul_params(model)
+    n = matmul_params(model) - (0 if head else model.get_output_embeddings().weight.numel())
     attn = c.num_hidden_layers * seq * c.num_attention_heads * c.head_dim
     return 6 * n + 6 * attn, 2 * n + 2 * attn
+
+
+def head_flops_per_token(model) -> tuple[float, float]:
+    """(train, no-grad forward) FLOPs of the output head for one token."""
+    vh = model.get_output_embeddings().weight.numel()
+    return 6 * vh, 2 * vh
 
 
 def measure_peak(device: torch.device, size: int) -> float:
@@ -141,7 +148,7 @@ def compile_layers(model) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=False)
 
 
-def setup_plain(shape, device, batch, seq, compile_):
+def setup_plain(shape, device, batch, seq, opts):
     model = build_model(shape, torch.bfloat16, device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -156,7 +163,7 @@ def setup_plain(shape, device, batch, seq, compile_):
     return step, train_f * batch * seq, model
 
 
-def setup_rl(shape, device, batch, seq, compile_):
+def setup_rl(shape, device, batch, seq, opts):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -165,19 +172,21 @@ def setup_rl(shape, device, batch, seq, compile_):
     from learners.step import policy_update, reference_logprobs
 
     cfg = Config()
+    cfg.learner.keep_logits_gb = 16.0 if "keep" in opts else 0.0
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = build_model(shape, torch.float32, device)
     ref = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
     for m in (policy, ref):
-        if compile_:
+        if "compile" in opts:
             compile_layers(m)
         for layer in m.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(m, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward="noreshard" not in opts)
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward="noreshard" not in opts)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=cfg.learner.weight_decay,
                             fused=device.type == "cuda")
-    groups = make_groups(batch, seq, prompt_len=max(1, seq // 8), vocab=policy.config.vocab_size, seed=0)
+    prompt_len = max(1, seq // 8)
+    groups = make_groups(batch, seq, prompt_len=prompt_len, vocab=policy.config.vocab_size, seed=0)
     b = build_batch(groups, 0, device=device)
     assert tuple(b.input_ids_BL.shape) == (batch, seq)
     share = 1.0  # world size 1: this rank holds all the tokens
@@ -185,17 +194,62 @@ def setup_rl(shape, device, batch, seq, compile_):
 
     def step():
         ref_logp = reference_logprobs(ref, b, cfg.generator.temperature)
-        last.update(policy_update(policy, opt, b, cfg, share))
+        last.update(policy_update(policy, opt, b, cfg, share, ref_logp_BT=ref_logp, kl_coef=0.0))
         last["ref_logp_mean"] = float((ref_logp * b.loss_mask_BT).sum() / b.loss_mask_BT.sum())
 
-    train_f, fwd_f = flops_per_token(policy, seq)
-    return step, (train_f + fwd_f) * batch * seq, (policy, last)
+    def phases():
+        """CUDA-event times of the two halves of one step: reference forward, policy update."""
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
+        ref_logp = reference_logprobs(ref, b, cfg.generator.temperature)
+        ev[1].record()
+        policy_update(policy, opt, b, cfg, share, ref_logp_BT=ref_logp, kl_coef=0.0)
+        ev[2].record()
+        torch.cuda.synchronize()
+        return {"ref_forward_s": ev[0].elapsed_time(ev[1]) / 1e3, "policy_update_s": ev[1].elapsed_time(ev[2]) / 1e3}
+
+    step.phases = phases
+    # The decoder runs on every token; the head on the completion tokens only (what the loss needs).
+    train_f, fwd_f = flops_per_token(policy, seq, head=False)
+    head_train, head_fwd = head_flops_per_token(policy)
+    flops = (train_f + fwd_f) * batch * seq + (head_train + head_fwd) * b.num_tokens
+    return step, flops, (policy, last)
 
 
-def run_variant(variant, shape, device, batch, seq, warmup, steps, peak):
-    setup = setup_plain if variant == "plain" else setup_rl
+def profile_step(step) -> dict:
+    """One step under torch.profiler: device time by kernel family, and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    families = (("gemm", ("gemm", "cutlass", "xmma", "sm90_", "cublas")), ("attention", ("flash", "fmha", "attention")),
+                ("triton", ("triton",)), ("nccl", ("nccl",)), ("copy", ("memcpy", "memset", "copy", "cat")),
+                ("optimizer", ("adam", "multi_tensor")), ("softmax/reduce", ("softmax", "reduce", "logsumexp")))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    by_family: dict[str, float] = {}
+    top = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not t or ev.key.startswith("ProfilerStep") or ev.key.startswith("aten::"):
+            continue
+        name = ev.key.lower()
+        fam = next((f for f, keys in families if any(k in name for k in keys)), "other")
+        by_family[fam] = by_family.get(fam, 0.0) + t / 1e6
+        top.append((t / 1e6, ev.count, ev.key[:90]))
+    top.sort(reverse=True)
+    return {"wall_s": wall, "kernel_s_by_family": by_family, "kernel_s_total": sum(by_family.values()),
+            "top_kernels": top[:25]}
+
+
+def run_variant(variant, shape, device, batch, seq, warmup, steps, peak, profile=False):
+    base, *mods = variant.split("+")
+    setup = setup_plain if base == "plain" else setup_rl
+    opts = set(mods) | ({"compile"} if base.endswith("compile") else set())
     t_setup = time.perf_counter()
-    step, flops, keep = setup(shape, device, batch, seq, variant.endswith("compile"))
+    step, flops, keep = setup(shape, device, batch, seq, opts)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -219,6 +273,11 @@ def run_variant(variant, shape, device, batch, seq, warmup, steps, peak):
            "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     if isinstance(keep, tuple):
         row["last_stats"] = {k: v for k, v in keep[1].items() if math.isfinite(v)}
+    if profile and device.type == "cuda":
+        if hasattr(step, "phases"):
+            row["phases"] = step.phases()
+        row["profile"] = profile_step(step)
+        print(json.dumps({"variant": variant, "phases": row.get("phases"), **row["profile"]}, indent=None), flush=True)
     return row
 
 
@@ -240,6 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="runs/learner_throughput.json")
+    p.add_argument("--profile", action="store_true", help="also profile one step of each variant (CUDA)")
     args = p.parse_args(argv)
     if args.tiny:
         args.shapes, args.seqs, args.tokens, args.compile_seqs = "tiny", "32,64", 256, args.compile_seqs and "64"
@@ -269,7 +329,7 @@ def main(argv=None) -> int:
     for variant, shape, seq in plan:
         batch = max(1, args.tokens // seq)
         try:
-            row = run_variant(variant, shape, device, batch, seq, args.warmup, args.steps, peak)
+            row = run_variant(variant, shape, device, batch, seq, args.warmup, args.steps, peak, args.profile)
         except Exception as e:  # a failed variant is reported in the table and JSON, the others still run
             traceback.print_exc()
             row = {"variant": variant, "shape": shape, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -24,29 +24,35 @@ def default_chunk_rows(vocab_size: int) -> int:
 class ChunkedLinearLogprob(torch.autograd.Function):
     """logp[n] = log_softmax((h_NH / temperature) @ W_VH^T)[n, y_n], chunked over N in both passes.
 
-    The output has the targets' shape (N rows in order) and is not a view, so it can be an FSDP2
-    forward's return value."""
+    The forward keeps each row's log-sum-exp (N floats) and, when they fit in `keep_bytes`, the
+    chunks' logits in the matmul dtype; otherwise the backward recomputes them. The output has the
+    targets' shape (N rows in order) and is not a view, so it can be an FSDP2 forward's return value."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, targets, temperature: float, chunk_rows: int):
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets, temperature: float, chunk_rows: int,
+                keep_bytes: int = 0):
         inv_t = 1.0 / temperature
+        n_rows = hidden_NH.shape[0]
         targets_N = targets.reshape(-1)
         out = torch.empty(targets.shape, dtype=torch.float32, device=hidden_NH.device)
         out_N = out.view(-1)
-        for i in range(0, hidden_NH.shape[0], chunk_rows):
-            h = hidden_NH[i:i + chunk_rows]
-            logits = _chunk_logits(h, weight_VH, bias_V, inv_t)
-            # One kernel, bf16 in / fp32 out: the fp32 copy of the chunk is the only full-width buffer.
-            logp_cV = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-            out_N[i:i + chunk_rows] = logp_cV.gather(1, targets_N[i:i + chunk_rows, None]).squeeze(1)
-        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N)
-        ctx.inv_t, ctx.chunk_rows = inv_t, chunk_rows
+        lse_N = torch.empty(n_rows, dtype=torch.float32, device=hidden_NH.device)
+        logit_bytes = n_rows * weight_VH.shape[0] * torch.empty((), dtype=hidden_NH.dtype).element_size()
+        kept = [] if any(ctx.needs_input_grad[:3]) and 0 < logit_bytes <= keep_bytes else None
+        for i in range(0, n_rows, chunk_rows):
+            logits = _chunk_logits(hidden_NH[i:i + chunk_rows], weight_VH, bias_V, inv_t)
+            out_N[i:i + chunk_rows], lse_N[i:i + chunk_rows] = _logp_lse(logits, targets_N[i:i + chunk_rows])
+            if kept is not None:
+                kept.append(logits)
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, lse_N)
+        ctx.inv_t, ctx.chunk_rows, ctx.kept = inv_t, chunk_rows, kept
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden_NH, weight_VH, bias_V, targets_N = ctx.saved_tensors
-        inv_t, chunk_rows = ctx.inv_t, ctx.chunk_rows
+        hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
+        inv_t, chunk_rows, kept = ctx.inv_t, ctx.chunk_rows, ctx.kept
+        ctx.kept = None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_NH) if need_h else None
         # Weight grads accumulate across chunks in fp32 so bf16 rounding happens once, not per chunk.
@@ -54,15 +60,15 @@ class ChunkedLinearLogprob(torch.autograd.Function):
         grad_b = torch.zeros(weight_VH.shape[0], dtype=torch.float32, device=weight_VH.device) \
             if need_b and bias_V is not None else None
         grad_N = grad_out.reshape(-1).float()
-        for i in range(0, hidden_NH.shape[0], chunk_rows):
+        for k, i in enumerate(range(0, hidden_NH.shape[0], chunk_rows)):
             h = hidden_NH[i:i + chunk_rows]
-            g = grad_N[i:i + chunk_rows]
-            logits = _chunk_logits(h, weight_VH, bias_V, inv_t)
-            # d logp_n / d z_n = onehot(y_n) - softmax(z_n); built in fp32, cast once to the matmul dtype.
-            p = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            p.scatter_add_(1, targets_N[i:i + chunk_rows, None], torch.full_like(g[:, None], -1.0))
-            grad_z = torch.mul(p, (-g)[:, None], out=torch.empty_like(logits))
-            del p, logits
+            if kept is not None:
+                logits, kept[k] = kept[k], None
+            else:
+                logits = _chunk_logits(h, weight_VH, bias_V, inv_t)
+            grad_z = _grad_logits(logits, lse_N[i:i + chunk_rows], targets_N[i:i + chunk_rows],
+                                  grad_N[i:i + chunk_rows])
+            del logits
             if grad_h is not None:
                 grad_h[i:i + chunk_rows] = (grad_z @ weight_VH) * inv_t
             if grad_w is not None:
@@ -73,7 +79,53 @@ class ChunkedLinearLogprob(torch.autograd.Function):
             grad_w = grad_w.to(weight_VH.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias_V.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _logp_lse_eager(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log softmax(z)[y], logsumexp(z)) per row, in fp32, from z in the matmul dtype."""
+    lse_c = torch.logsumexp(logits_cV.float(), dim=-1)
+    return logits_cV.gather(1, targets_c[:, None]).squeeze(1).float() - lse_c, lse_c
+
+
+def _grad_logits_eager(logits_cV, lse_c, targets_c, g_c) -> torch.Tensor:
+    """d(sum g * logp) / dz = g * (onehot(y) - softmax(z)), in fp32, returned in the matmul dtype."""
+    grad = torch.exp(logits_cV.float() - lse_c[:, None]) * (-g_c)[:, None]
+    grad.scatter_add_(1, targets_c[:, None], g_c[:, None])
+    return grad.to(logits_cV.dtype)
+
+
+def _grad_logits_fusable(logits_cV, lse_c, targets_c, g_c) -> torch.Tensor:
+    # The one-hot as a comparison rather than a scatter, so the compiler makes one pass over z.
+    cols = torch.arange(logits_cV.shape[1], device=logits_cV.device)
+    onehot = (cols[None, :] == targets_c[:, None]).float()
+    return ((onehot - torch.exp(logits_cV.float() - lse_c[:, None])) * g_c[:, None]).to(logits_cV.dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _fused(name: str, fn, eager, t: torch.Tensor):
+    """On CUDA, `fn` under torch.compile: one read of the chunk's logits instead of several passes
+    over fp32 copies of them. Elsewhere (and if compiling fails) the eager equivalent."""
+    if t.device.type != "cuda" or _compiled.get(name) is False:
+        return eager
+    if name not in _compiled:
+        try:
+            _compiled[name] = torch.compile(fn, dynamic=True)
+        except Exception:  # no working compiler here: the eager path computes the same function
+            _compiled[name] = False
+            return eager
+    return _compiled[name]
+
+
+def _logp_lse(logits_cV, targets_c):
+    return _fused("logp_lse", _logp_lse_eager, _logp_lse_eager, logits_cV)(logits_cV, targets_c)
+
+
+def _grad_logits(logits_cV, lse_c, targets_c, g_c):
+    return _fused("grad_logits", _grad_logits_fusable, _grad_logits_eager, logits_cV)(logits_cV, lse_c,
+                                                                                      targets_c, g_c)
 
 
 def _chunk_logits(h_cH, weight_VH, bias_V, inv_t: float) -> torch.Tensor:
@@ -87,11 +139,23 @@ def _chunk_logits(h_cH, weight_VH, bias_V, inv_t: float) -> torch.Tensor:
 
 def linear_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor,
                     temperature: float, bias_V: torch.Tensor | None = None,
-                    chunk_rows: int | None = None) -> torch.Tensor:
-    """log softmax((hidden W^T + b) / temperature) at `targets`, fp32, shape B x T."""
+                    chunk_rows: int | None = None, rows_BT: torch.Tensor | None = None,
+                    keep_logits_bytes: int = 0) -> torch.Tensor:
+    """log softmax((hidden W^T + b) / temperature) at `targets`, fp32, shape B x T.
+
+    `rows_BT` (bool, B x T): compute only those positions (the completion tokens); the others are 0.
+    `keep_logits_bytes`: keep the logits for the backward instead of recomputing them when all of
+    them fit in this many bytes."""
     chunk_rows = chunk_rows or default_chunk_rows(weight_VH.shape[0])
-    flat = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
-    return ChunkedLinearLogprob.apply(flat, weight_VH, bias_V, targets_BT, temperature, chunk_rows)
+    if rows_BT is None:
+        flat = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+        return ChunkedLinearLogprob.apply(flat, weight_VH, bias_V, targets_BT, temperature, chunk_rows,
+                                          keep_logits_bytes)
+    rows_BT = rows_BT.bool()
+    picked = ChunkedLinearLogprob.apply(hidden_BTH[rows_BT], weight_VH, bias_V, targets_BT[rows_BT], temperature,
+                                        chunk_rows, keep_logits_bytes)
+    out = torch.zeros(targets_BT.shape, dtype=torch.float32, device=hidden_BTH.device)
+    return out.masked_scatter(rows_BT, picked)
 
 
 def _output_head(model: nn.Module) -> nn.Linear:
@@ -106,20 +170,24 @@ def _output_head(model: nn.Module) -> nn.Linear:
 
 
 def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, temperature: float,
-                            chunk_rows: int | None = None) -> torch.Tensor:
+                            chunk_rows: int | None = None, rows_BT: torch.Tensor | None = None,
+                            keep_logits_bytes: int = 0) -> torch.Tensor:
     # Runs as an FSDP2 forward method: the root's parameters (embeddings, final norm, output head; a
     # tied head shares the embedding weight) are unsharded here and their grads reduced afterwards.
     head = _output_head(self)
     hidden_BLH = self.get_decoder()(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
                                     use_cache=False).last_hidden_state
     return linear_logprobs(hidden_BLH[:, :-1], head.weight, input_ids_BL[:, 1:], temperature, head.bias,
-                           chunk_rows)
+                           chunk_rows, rows_BT, keep_logits_bytes)
 
 
 def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
-                      temperature: float, chunk_rows: int | None = None) -> torch.Tensor:
+                      temperature: float, chunk_rows: int | None = None, rows_BT: torch.Tensor | None = None,
+                      keep_logits_bytes: int = 0) -> torch.Tensor:
     """logp_BT[b, j] = log pi(input_ids[b, j+1] | input_ids[b, :j+1]) at `temperature`, for a Hugging
-    Face causal LM (plain or FSDP2-wrapped), without materialising B x T x V logits."""
+    Face causal LM (plain or FSDP2-wrapped), without materialising B x T x V logits. With `rows_BT`
+    only those positions are computed (the rest are 0): the learner passes its loss mask, so the
+    output head never runs on prompt or padding positions."""
     method = getattr(model, _METHOD, None)
     if method is None:
         from torch.distributed.fsdp import register_fsdp_forward_method
@@ -129,4 +197,4 @@ def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_ma
         setattr(model, _METHOD, types.MethodType(_token_logprobs_forward, model))
         register_fsdp_forward_method(model, _METHOD)
         method = getattr(model, _METHOD)
-    return method(input_ids_BL, attention_mask_BL, temperature, chunk_rows)
+    return method(input_ids_BL, attention_mask_BL, temperature, chunk_rows, rows_BT, keep_logits_bytes)

@@ -33,7 +33,8 @@ def reference_logprobs(ref_model: nn.Module, batch: Batch, temperature: float) -
     """Log-probs of the batch's tokens under a frozen model (no graph kept), B x T."""
     ref_model.eval()
     with torch.no_grad():
-        return sequence_logprobs(ref_model, batch.input_ids_BL, batch.attention_mask_BL, temperature)
+        return sequence_logprobs(ref_model, batch.input_ids_BL, batch.attention_mask_BL, temperature,
+                                 rows_BT=batch.loss_mask_BT)
 
 
 def shaped_rewards(batch: Batch, alg: AlgorithmConfig, max_tokens: int, kl_seq_B: torch.Tensor | None,
@@ -92,7 +93,8 @@ def batch_targets(model: nn.Module, batch: Batch, cfg: Config, ref_logp_BT: torc
     prox = None
     if num_updates > 1 or (ref_logp_BT is not None and alg.kl_in == "reward"):
         with torch.no_grad():
-            prox = sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, cfg.generator.temperature)
+            prox = sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, cfg.generator.temperature,
+                                     rows_BT=mask)
     kl_seq_B = None
     if ref_logp_BT is not None and alg.kl_in == "reward":
         kl_seq_B = (losses.kl_estimate(prox, ref_logp_BT, alg.kl_estimator) * mask).sum(dim=1)
@@ -140,7 +142,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     mask = batch.loss_mask_BT
 
     def logp_BT() -> torch.Tensor:
-        return sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, temperature)
+        return sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, temperature, rows_BT=mask,
+                                 keep_logits_bytes=int(cfg.learner.keep_logits_gb * 2**30))
 
     def apply(loss: torch.Tensor) -> torch.Tensor:
         (loss * loss_scale).backward()

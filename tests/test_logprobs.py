@@ -45,6 +45,46 @@ def test_linear_logprobs_values_and_grads_match_naive(with_bias):
         assert torch.allclose(g, rg, atol=1e-5), (g - rg).abs().max()
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_linear_logprobs_rows_subset_and_kept_logits(keep):
+    """Only the chosen rows are computed (others exactly 0, no gradient through them); keeping the
+    logits for the backward gives the same gradients as recomputing them."""
+    torch.manual_seed(2)
+    B, T, H, V = 3, 6, 5, 11
+    h = torch.randn(B, T, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (B, T))
+    rows = torch.zeros(B, T)
+    rows[0, 2:] = 1
+    rows[2, 1:4] = 1
+    upstream = torch.randn(B, T, dtype=torch.float64)
+    ref = naive_linear_logprobs(h, w, None, targets, 0.9) * rows
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), (h, w))
+    out = linear_logprobs(h, w, targets, 0.9, chunk_rows=2, rows_BT=rows, keep_logits_bytes=1 << 20 if keep else 0)
+    grads = torch.autograd.grad((out * upstream.float()).sum(), (h, w))
+    assert torch.equal(out[rows == 0], torch.zeros(int((rows == 0).sum())))
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.equal(grads[0][rows == 0], torch.zeros_like(grads[0][rows == 0]))
+    for g, rg in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(g, rg, atol=1e-5), (g - rg).abs().max()
+
+
+def test_fusable_logit_grad_equals_eager():
+    """The comparison-one-hot form compiled on CUDA computes what the scatter form computes."""
+    from learners.logprobs import _grad_logits_eager, _grad_logits_fusable, _logp_lse_eager
+
+    torch.manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        z = torch.randn(9, 50).to(dtype)
+        y = torch.randint(0, 50, (9,))
+        g = torch.randn(9)
+        logp, lse = _logp_lse_eager(z, y)
+        assert torch.allclose(logp, torch.log_softmax(z.float(), -1).gather(1, y[:, None]).squeeze(1), atol=1e-6)
+        a, b = _grad_logits_eager(z, lse, y, g), _grad_logits_fusable(z, lse, y, g)
+        assert a.dtype == b.dtype == dtype
+        assert torch.allclose(a.float(), b.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
 def test_linear_logprobs_bf16_close_to_fp32():
     torch.manual_seed(1)
     h = torch.randn(3, 40, 32)
