@@ -42,6 +42,11 @@ class Keys:
         return self._k(f"gen:{generator_id}")
 
     @property
+    def notify(self) -> str:
+        """Capped stream of wake-ups (`k`: version / weights / prompts) after state others wait for (asyncrl/notify.py)."""
+        return self._k("notify")
+
+    @property
     def gen_pattern(self) -> str:
         return self._k("gen:*")
 

@@ -54,11 +54,12 @@ return n
 """
 
 # Acks groups dropped as stale and gives them back to the admission budget, counted by what XACK
-# actually acked (so a retry does not count twice).
+# actually acked (so a retry does not count twice); wakes the buffer (asyncrl/notify.py) when it did.
 ACK_DROPPED = """
-local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
 if n > 0 then
   redis.call('HINCRBY', KEYS[2], 'dropped_groups', n)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'k', 'version')
 end
 return n
 """
@@ -113,7 +114,21 @@ def requeue_prompts(client: redis.Redis, keys: Keys, entry_ids: list) -> int:
 def ack_dropped(client: redis.Redis, keys: Keys, entry_ids: list) -> int:
     if not entry_ids:
         return 0
-    return int(client.eval(ACK_DROPPED, 2, keys.trajectories, keys.learner, LEARNER_GROUP, *entry_ids))
+    from asyncrl.notify import MAXLEN
+
+    return int(client.eval(ACK_DROPPED, 3, keys.trajectories, keys.learner, keys.notify, LEARNER_GROUP, MAXLEN,
+                           *entry_ids))
+
+
+def set_and_notify(client: redis.Redis, keys: Keys, key: str, value, kind: str) -> None:
+    """SET `key` and append the `kind` wake-up in one transaction (one round trip; never the
+    wake-up without the state it announces)."""
+    from asyncrl.notify import publish
+
+    pipe = client.pipeline(transaction=True)
+    pipe.set(key, value)
+    publish(pipe, keys, kind)
+    pipe.execute()
 
 
 def stream_id_ms(entry_id) -> int:

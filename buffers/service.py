@@ -21,6 +21,7 @@ from asyncrl import schema, store
 from asyncrl.config import Config
 from asyncrl.keys import PROMPT_GROUP, Keys, connect, log_event
 from asyncrl.modes import admission_staleness
+from asyncrl.notify import NotifyPipe, publish
 from asyncrl.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
 from asyncrl.tasks import PromptRecord, copy_dataset, iter_epochs
 
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 RECLAIMER = "buffer-reclaim"
 RCVHWM = 256  # frames queued in our PULL socket before ZeroMQ stops taking more from generators
 MAX_BATCH_BYTES = 32 * 2**20  # one Redis pipeline carries at most this much
+# Prompt release: at once on a `version` wake-up (asyncrl/notify.py), else re-checked this often;
+# every 50 ms while the prompt backlog held it back (generators drain that by leasing, unannounced).
+RELEASE_FALLBACK_S = 0.5
+RELEASE_BACKLOG_S = 0.05
 # Counters published as buffer:{name} (plus buffer:reject:{reason}); they survive buffer restarts.
 COUNTERS = ("frames", "bytes", "groups", "dedupes", "reclaims", "full_pauses", "full_ms")
 
@@ -86,6 +91,9 @@ class BufferService:
         self._depth, self._depth_at = 0, 0.0  # undelivered groups, when last measured
         self.full = False
         self._full_since = 0.0
+        self.notify = None  # NotifyPipe, started by run()
+        self._woken = False  # a wake-up arrived: re-check the admission budget now
+        self._backlog_bound = False  # the last release was held back by buffer.prompt_backlog
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -121,7 +129,7 @@ class BufferService:
         Frames are taken off the socket only as far as they fit under capacity; once taken they are
         held here until Redis has them (the client retries a lost Redis), so none is dropped.
         """
-        if max_frames <= 0 or not self.sock.poll(timeout_ms, zmq.POLLIN):
+        if max_frames <= 0 or not self._poll(timeout_ms):
             return 0
         frames = []
         nbytes = 0
@@ -159,6 +167,19 @@ class BufferService:
         self._depth += added
         return added
 
+    def _poll(self, timeout_ms: int, frames: bool = True) -> bool:
+        """Waits up to `timeout_ms` for a frame (when `frames`) or a wake-up; True if a frame is waiting.
+        A wake-up ends the wait at once, so a learner step releases the next prompts with no tick to wait."""
+        if self.notify is None:
+            if frames:
+                return bool(self.sock.poll(timeout_ms, zmq.POLLIN))
+            time.sleep(timeout_ms / 1000)
+            return False
+        events = dict((self._poller if frames else self._wake_poller).poll(timeout_ms))
+        if self.notify.fd in events and self.notify.drain():
+            self._woken = True
+        return self.sock in events
+
     def room(self) -> int:
         """Groups that may still be appended before the trajectory stream holds `capacity` undelivered."""
         now = time.monotonic()
@@ -194,6 +215,7 @@ class BufferService:
         budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
         backlog = group_lag(self.client, self.keys.prompts, PROMPT_GROUP)
         num = min(budget - cursor["released"], self.cfg.buffer.prompt_backlog - backlog)
+        self._backlog_bound = self.cfg.buffer.prompt_backlog - backlog < budget - cursor["released"]
         if num <= 0:
             return 0
         it = iter_epochs(self.rows, self.cfg.run.seed, cursor["epoch"], cursor["index"])
@@ -214,6 +236,7 @@ class BufferService:
         if not store.release_prompts(self.client, self.keys, cursor["released"], epoch, index, frames):
             log.warning("prompt cursor moved under us (another buffer instance?): release skipped")
             return 0
+        publish(self.client, self.keys, "prompts")  # sync-mode generators read the prompt stream without blocking
         return num
 
     def reclaim(self) -> int:
@@ -257,8 +280,20 @@ class BufferService:
     def stop(self, *_args) -> None:
         self._stop.set()
 
+    def _start_notify(self) -> None:
+        """The `version` wake-ups (learner steps, dropped groups) end the ingest poll (asyncrl/notify.py)."""
+        if not self.cfg.buffer.redis_url:  # a test's injected client: poll on the fallback tick alone
+            return
+        self.notify = NotifyPipe(self.cfg.buffer.redis_url, self.keys, ("version",)).start()
+        self._poller, self._wake_poller = zmq.Poller(), zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        for p in (self._poller, self._wake_poller):
+            p.register(self.notify.fd, zmq.POLLIN)
+
     def run(self) -> None:
         self.setup()
+        self._start_notify()
+        fallback_s = RELEASE_FALLBACK_S if self.notify is not None else RELEASE_BACKLOG_S
         last_release = last_reclaim = last_metrics = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -272,14 +307,17 @@ class BufferService:
             if room > 0:
                 self.ingest(max_frames=min(256, room))
             else:
-                time.sleep(0.02)
-            if now - last_release > 0.05:
+                self._poll(20, frames=False)
+            if self._woken or now - last_release > (RELEASE_BACKLOG_S if self._backlog_bound else fallback_s):
+                self._woken = False
                 self.release_prompts()
                 last_release = now
             if now - last_reclaim > min(5.0, self.cfg.buffer.lease_timeout_s / 2):
                 self.reclaim()
                 last_reclaim = now
         self.publish_metrics()
+        if self.notify is not None:
+            self.notify.close()
         self.sock.close(0)
         if self.auth is not None:
             self.auth.stop()

@@ -24,6 +24,7 @@ from asyncrl.config import Config
 from asyncrl.data import encode_prompt
 from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
 from asyncrl.modes import may_generate
+from asyncrl.notify import AsyncNotifications
 from asyncrl.rewards import build_reward, score_group
 from asyncrl.sampling import heartbeat_fields
 from generators.drain import hand_back
@@ -31,6 +32,12 @@ from generators.evaluation import EvalWorker
 from generators.outbox import GroupOutbox
 
 log = logging.getLogger(__name__)
+
+# Waits end at once on a wake-up from the notify stream (asyncrl/notify.py); these bound them, so a
+# lost wake-up (Redis restart, a writer that does not publish one) costs at most this long.
+WEIGHTS_FALLBACK_S = 0.5  # re-read wgroup/wsync
+VERSION_FALLBACK_S = 0.5  # run.mode=sync: re-read the learner's version
+PROMPTS_FALLBACK_S = 0.1  # run.mode=sync: re-read the prompt stream (and the eval stream with it)
 
 
 class Generator:
@@ -66,6 +73,7 @@ class Generator:
 
         # Retries a lost Redis (restart) with backoff for buffer.redis_retry_s: every loop below rides it out.
         self.redis = await aconnect(self.cfg.buffer.redis_url, retry_s=self.cfg.buffer.redis_retry_s)
+        self.notes = AsyncNotifications(self.cfg.buffer.redis_url, self.keys)  # its reader runs in run()
         from asyncrl import sampling
 
         await sampling.check_generator(self.redis, self.keys, self.cfg.generator, self.id)  # before the engine
@@ -128,9 +136,11 @@ class Generator:
             await asyncio.sleep(self.cfg.generator.heartbeat_s)
 
     async def weights_loop(self) -> None:
-        """Follows the learner's group epochs and weight announcements (polled from Redis)."""
+        """Follows the learner's group epochs and weight announcements: re-read at each `weights`
+        wake-up (the learner publishes one with every wgroup/wsync change), else every WEIGHTS_FALLBACK_S."""
         last_ann = None
         while True:
+            seen = self.notes.seen(("weights",))
             try:
                 last_ann = await self._follow_weights(last_ann)
             except Exception as e:  # a failed join/receive: hold no version until the next good sync
@@ -138,7 +148,7 @@ class Generator:
                 self.version, self.epoch = -1, -1
                 await self.redis.xadd(self.keys.events, {"kind": "sync_failed", "id": self.id, "error": repr(e),
                                                          "t": f"{time.time():.3f}"})
-            await asyncio.sleep(0.05)
+            await self.notes.wait(("weights",), seen, WEIGHTS_FALLBACK_S)
 
     async def _follow_weights(self, last_ann):
         w = self.cfg.weights
@@ -163,6 +173,7 @@ class Generator:
         await self.heartbeat()
         stats = await self.engine.update_weights(ann_frame, w.mode, w.sync_timeout_s)
         self.version = ann.version
+        self.notes.bump("held")  # sync mode's lease loop waits for this
         self.last_checksums = stats["checksums"]
         self.sync_s_total += stats["pause_s"]
         self.last_pause_s, self.num_syncs = stats["pause_s"], self.num_syncs + 1
@@ -178,8 +189,11 @@ class Generator:
 
     async def process(self, entry_id: bytes, task: schema.PromptTask) -> None:
         # run.mode=sync: a prompt leased just before the learner's version moved waits for its weights.
-        while self.cfg.run.mode == "sync" and not may_generate("sync", self.version, await self._learner_version()):
-            await asyncio.sleep(0.02)
+        while self.cfg.run.mode == "sync":
+            seen = self.notes.seen(("version", "held"))
+            if may_generate("sync", self.version, await self._learner_version()):
+                break
+            await self.notes.wait(("version", "held"), seen, VERSION_FALLBACK_S)
         prompt_ids = encode_prompt(self.tokenizer, task.prompt, self.cfg.data.chat_template)
         outs = await self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
         texts = [self.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs]
@@ -217,8 +231,9 @@ class Generator:
                 raise self.failure
             if self.version < 0:
                 self.state = "waiting_weights"
-                await asyncio.sleep(0.1)
-                self.idle_s += 0.1
+                t0, seen = time.monotonic(), self.notes.seen(("held",))
+                await self.notes.wait(("held",), seen, 0.1)
+                self.idle_s += time.monotonic() - t0
                 continue
             if self.cfg.run.mode == "sync" and not await self._lockstep_turn():
                 continue
@@ -234,14 +249,16 @@ class Generator:
             if free <= 0:
                 continue
             t0 = time.monotonic()
-            # run.mode=sync polls without blocking: a blocked read would lease the next version's prompts
+            # run.mode=sync reads without blocking: a blocked read would lease the next version's prompts
             # before this generator holds its weights (they would wait in process(), uncounted as idle).
+            # Instead it waits for a wake-up (prompts released, the learner stepped) and re-checks the version.
             lockstep = self.cfg.run.mode == "sync"
+            seen = self.notes.seen(("prompts", "version", "held"))
             reply = await self.redis.xreadgroup(PROMPT_GROUP, self.id, {self.keys.prompts: ">"}, count=free,
                                                 block=None if lockstep else 200)
             if not reply:
                 if lockstep:
-                    await asyncio.sleep(0.02)
+                    await self.notes.wait(("prompts", "version", "held"), seen, PROMPTS_FALLBACK_S)
                 if not self.inflight:
                     self.idle_s += time.monotonic() - t0
                 continue
@@ -261,11 +278,12 @@ class Generator:
 
     async def _lockstep_turn(self) -> bool:
         """run.mode=sync: lease only while holding the learner's current version (asyncrl/modes.py)."""
+        seen = self.notes.seen(("version", "held"))
         if may_generate("sync", self.version, await self._learner_version()):
             return True
         t0 = time.monotonic()
         self.state = "waiting_weights"
-        await asyncio.sleep(0.02)
+        await self.notes.wait(("version", "held"), seen, VERSION_FALLBACK_S)
         if not self.inflight:
             self.idle_s += time.monotonic() - t0
         return False
@@ -304,8 +322,8 @@ class Generator:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
         loop.add_signal_handler(signal.SIGINT, self.stopping.set)
-        helpers = [asyncio.create_task(c) for c in (self.heartbeat_loop(), self.weights_loop(), self.stop_watch(),
-                                                    self.outbox.run())]
+        helpers = [asyncio.create_task(c) for c in (self.notes.run(), self.heartbeat_loop(), self.weights_loop(),
+                                                    self.stop_watch(), self.outbox.run())]
         try:
             await self.lease_loop()
             if self.auth_failure is not None:

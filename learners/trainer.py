@@ -19,7 +19,7 @@ import torch.distributed as dist
 from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
-from asyncrl.store import ack_dropped, ensure_groups, group_lag
+from asyncrl.store import ack_dropped, ensure_groups, group_lag, set_and_notify
 from asyncrl.weight_sync import SyncTimeout, WeightSender, pack_buckets, plan_buckets, to_dtype
 from learners.batch import build_batch
 from learners.step import batch_targets, policy_update
@@ -208,7 +208,7 @@ class Learner:
         host = cfg.deploy.bind_host
         self.sender = WeightSender(host, cfg.weights.port, "nccl" if self.cuda else "gloo",
                                    cfg.weights.join_timeout_s, cfg.weights.sync_timeout_s, first_epoch=epoch0)
-        self.client.set(self.keys.version, self.version)
+        set_and_notify(self.client, self.keys, self.keys.version, self.version, "version")
         self.pending: list[schema.TrajectoryGroup] = []
         self.dropped_stale = 0
         self.idle_s = 0.0
@@ -348,8 +348,8 @@ class Learner:
                 self.verify_reference_frozen()
             self.version += 1
             self.step += 1
-            if self.rank == 0:
-                self.client.set(self.keys.version, self.version)
+            if self.rank == 0:  # wakes the buffer's admission and sync-mode generators (asyncrl/notify.py)
+                set_and_notify(self.client, self.keys, self.keys.version, self.version, "version")
             sync_s = 0.0
             if self.version % self.cfg.weights.sync_every == 0:
                 sync_s = self.sync_weights()
@@ -514,7 +514,8 @@ class Learner:
             return time.perf_counter() - t0
         ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=self.version,
                                         epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time())
-        self.client.set(self.keys.wsync, schema.encode(ann))
+        # The wake-up lets generators join the broadcast at once instead of at their next poll.
+        set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
         send_dev = self.device
         try:
             self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev))
@@ -534,7 +535,7 @@ class Learner:
         return self.sync_s
 
     def _publish_epoch(self, info: schema.GroupEpoch) -> None:
-        self.client.set(self.keys.wgroup, schema.encode(info))
+        set_and_notify(self.client, self.keys, self.keys.wgroup, schema.encode(info), "weights")
 
     def _event(self, kind: str, **fields) -> None:
         log_event(self.client, self.keys, kind, **fields)
