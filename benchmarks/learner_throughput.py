@@ -6,19 +6,25 @@
 Variants, each on random weights from a Qwen2Config of the named shape, bf16 matmuls, SDPA attention:
   plain       bf16 model, `model(input_ids, labels=input_ids).loss.backward()`, torch.optim.AdamW
               (default foreach), zero_grad. No FSDP, no clipping.
-  rl          what the learner does: fp32 master weights under FSDP2 `fully_shard` (world size 1,
-              MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), fused AdamW, plus a frozen
-              bf16 reference copy under FSDP2. One step = reference log-probs (no grad) +
-              `learners.step.policy_update` (chunked log-probs of the sampled tokens, decoupled-PPO
-              loss, backward, grad clipping, optimizer step).
-  rl_compile  `rl` with each decoder layer's forward under torch.compile (policy and reference).
+  rl          what the learner does with its default switches: fp32 master weights under FSDP2
+              `fully_shard` (world size 1, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)),
+              fused AdamW, plus a frozen bf16 reference (not sharded at world size 1, as the learner
+              does). One step = reference log-probs (no grad) + `learners.step.policy_update`
+              (chunked log-probs of the completion tokens, decoupled-PPO loss, backward, grad
+              clipping, optimizer step).
+  rl_compile  rl + learner.compile (each decoder layer's forward under torch.compile).
+  rl_tuned    rl_compile + learner.reshard_after_forward=false + learner.keep_logits_gb (logits kept
+              for the backward instead of recomputed): the switches for one GPU with memory to spare.
+  Any of them + "+switch" (see VARIANT_OPTS), e.g. rl+keep.
 
 FLOPs per step, N = parameters in Linear layers (the tied output head counted once, input
 embedding lookups not), per token of the B x L batch, n_layers, d_attn = heads x head_dim, causal
 attention (each query sees s/2 keys on average):
   forward with grad + backward  6 N + 6 n_layers s d_attn
   forward without grad          2 N + 2 n_layers s d_attn
-  plain = tokens x (6 N + 6 n_layers s d_attn); rl = tokens x (8 N + 8 n_layers s d_attn).
+  plain = tokens x (6 N + 6 n_layers s d_attn);
+  rl = tokens x (8 N_body + 8 n_layers s d_attn) + completion tokens x 8 V H: the head (V x H) runs
+  on the completion tokens only, which are all the loss needs (prompt = seq / 8 here).
 Recomputation (the chunked head's backward recomputes its logits) is work done but not counted.
 MFU = counted FLOPs / step time / peak, the peak being a bf16 8192^3 matmul on random data
 measured in the same run.
@@ -142,6 +148,14 @@ def make_groups(batch: int, seq: int, prompt_len: int, vocab: int, seed: int):
     return groups
 
 
+# Named variants and the switches they stand for; more can be added with "+": rl+compile+keep.
+#   compile    torch.compile each decoder layer's forward (learner.compile)
+#   noreshard  reshard_after_forward=False (learner.reshard_after_forward)
+#   keep       keep the head's logits for the backward (learner.keep_logits_gb)
+#   refshard   the reference under fully_shard even at world size 1
+VARIANT_OPTS = {"rl_compile": {"compile"}, "rl_tuned": {"compile", "noreshard", "keep"}}
+
+
 def compile_layers(model) -> None:
     # The layer's forward only: FSDP2's hooks stay outside the compiled region.
     for layer in model.model.layers:
@@ -177,7 +191,12 @@ def setup_rl(shape, device, batch, seq, opts):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = build_model(shape, torch.float32, device)
     ref = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
-    for m in (policy, ref):
+    # As the learner does (learners/trainer.py): at world size 1 the frozen reference is not sharded,
+    # there being nothing to shard it over; `refshard` puts it under fully_shard anyway.
+    shard = (policy, ref) if "refshard" in opts else (policy,)
+    if "compile" in opts and "refshard" not in opts:
+        compile_layers(ref)
+    for m in shard:
         if "compile" in opts:
             compile_layers(m)
         for layer in m.model.layers:
@@ -229,6 +248,17 @@ def profile_step(step) -> dict:
         step()
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    # Host side, separately (its own overhead would blur the device timeline): where the CPU time of
+    # one step goes, by operator / annotated region (FSDP, autograd, optimizer, compiled graphs).
+    with profile(activities=[ProfilerActivity.CPU]) as cpu_prof:
+        step()
+        torch.cuda.synchronize()
+    cpu_top = sorted(((ev.self_cpu_time_total / 1e6, ev.cpu_time_total / 1e6, ev.count, ev.key[:80])
+                      for ev in cpu_prof.key_averages()), reverse=True)[:25]
+    cpu_regions = sorted(((ev.cpu_time_total / 1e6, ev.count, ev.key[:80]) for ev in cpu_prof.key_averages()
+                          if any(k in ev.key for k in ("FSDP", "Optimizer", "Torch-Compiled", "CompiledFunction",
+                                                        "autograd::engine", "clip", "aten::_foreach"))),
+                         reverse=True)[:20]
     by_family: dict[str, float] = {}
     top = []
     for ev in prof.key_averages():
@@ -241,13 +271,13 @@ def profile_step(step) -> dict:
         top.append((t / 1e6, ev.count, ev.key[:90]))
     top.sort(reverse=True)
     return {"wall_s": wall, "kernel_s_by_family": by_family, "kernel_s_total": sum(by_family.values()),
-            "top_kernels": top[:25]}
+            "top_kernels": top[:25], "cpu_self_top": cpu_top, "cpu_regions": cpu_regions}
 
 
 def run_variant(variant, shape, device, batch, seq, warmup, steps, peak, profile=False):
     base, *mods = variant.split("+")
     setup = setup_plain if base == "plain" else setup_rl
-    opts = set(mods) | ({"compile"} if base.endswith("compile") else set())
+    opts = set(mods) | VARIANT_OPTS.get(base, set())
     t_setup = time.perf_counter()
     step, flops, keep = setup(shape, device, batch, seq, opts)
     if device.type == "cuda":
@@ -294,15 +324,16 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="0.5b,1.5b")
     p.add_argument("--seqs", default="1024,2048,4096")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step; batch = tokens // seq")
-    p.add_argument("--variants", default="plain,rl")
-    p.add_argument("--compile-seqs", default="2048", help="sequence lengths that also run rl_compile ('' = none)")
+    p.add_argument("--variants", default="plain,rl_tuned", help="run at every sequence length")
+    p.add_argument("--extra-variants", default="rl,rl_compile", help="run at --extra-seqs only")
+    p.add_argument("--extra-seqs", default="2048", help="sequence lengths that also run --extra-variants ('' = none)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="runs/learner_throughput.json")
     p.add_argument("--profile", action="store_true", help="also profile one step of each variant (CUDA)")
     args = p.parse_args(argv)
     if args.tiny:
-        args.shapes, args.seqs, args.tokens, args.compile_seqs = "tiny", "32,64", 256, args.compile_seqs and "64"
+        args.shapes, args.seqs, args.tokens, args.extra_seqs = "tiny", "32,64", 256, args.extra_seqs and "64"
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -324,8 +355,9 @@ def main(argv=None) -> int:
     rows = []
     plan = [(v, sh, int(s)) for sh in args.shapes.split(",") for s in args.seqs.split(",")
             for v in args.variants.split(",") if v]
-    compile_seqs = {int(s) for s in args.compile_seqs.split(",") if s}
-    plan += [("rl_compile", sh, s) for sh in args.shapes.split(",") for s in sorted(compile_seqs)]
+    extra_seqs = {int(s) for s in args.extra_seqs.split(",") if s}
+    plan += [(v, sh, s) for sh in args.shapes.split(",") for s in sorted(extra_seqs)
+             for v in args.extra_variants.split(",") if v]
     for variant, shape, seq in plan:
         batch = max(1, args.tokens // seq)
         try:

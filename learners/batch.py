@@ -21,6 +21,13 @@ class Batch:
     versions_BT: torch.Tensor
     rewards_B: torch.Tensor
     group_size: int = 0  # samples per group; 0 when groups differ in size
+    # Flat indices into B x T of the loss-mask positions, made on the host so that picking those rows
+    # on the device needs no device-to-host sync (learners/logprobs.py).
+    loss_index_N: torch.Tensor | None = None
+
+    @property
+    def loss_rows(self) -> torch.Tensor:
+        return self.loss_mask_BT if self.loss_index_N is None else self.loss_index_N
 
     @property
     def num_tokens(self) -> int:
@@ -58,4 +65,5 @@ def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, device) -> Ba
                  targets_BT=input_ids[:, 1:].to(device), loss_mask_BT=loss_mask.to(device),
                  behav_logp_BT=behav_t.to(device), versions_BT=vers_t.to(device),
                  rewards_B=torch.tensor(rewards, device=device),
+                 loss_index_N=loss_mask.reshape(-1).nonzero().squeeze(1).to(device),
                  group_size=sizes.pop() if len(sizes := {len(g.samples) for g in groups}) == 1 else 0)

@@ -1,9 +1,15 @@
-"""Token log-probs of a causal LM without the full B x T x V logits.
+"""Token log-probs of a causal LM without the full B x T x V logits in fp32.
 
 The decoder runs once for hidden states; the output projection, log-softmax and gather then run over
-row chunks inside one autograd Function whose backward recomputes each chunk's logits, so neither
-pass ever holds more than `chunk_rows x V` logits (fp32) at once. N = B*T flattened rows, H = hidden
-size, V = vocabulary.
+row chunks inside one autograd Function. Two ways through the backward:
+- recompute (the default): no logits are kept; the backward recomputes each chunk's logits, so
+  neither pass holds more than `chunk_rows x V` logits at once;
+- keep (`keep_bytes` at least N x V in the matmul dtype): the forward writes every chunk's logits
+  into one N x V buffer, the backward overwrites it chunk by chunk with the logit gradient and then
+  makes two whole-batch matmuls (dh = G W, dW = G^T h). No recomputation, no per-chunk fp32 dW
+  accumulation; the buffer is the only extra memory, never an fp32 copy of it.
+On CUDA each chunk's log-sum-exp and its gradient are one compiled kernel each (one read of the
+chunk). N = flattened rows, H = hidden size, V = vocabulary.
 """
 
 from __future__ import annotations
@@ -24,53 +30,61 @@ def default_chunk_rows(vocab_size: int) -> int:
 class ChunkedLinearLogprob(torch.autograd.Function):
     """logp[n] = log_softmax((h_NH / temperature) @ W_VH^T)[n, y_n], chunked over N in both passes.
 
-    The forward keeps each row's log-sum-exp (N floats) and, when they fit in `keep_bytes`, the
-    chunks' logits in the matmul dtype; otherwise the backward recomputes them. The output has the
-    targets' shape (N rows in order) and is not a view, so it can be an FSDP2 forward's return value."""
+    The forward saves each row's log-sum-exp (N floats) and, in the keep mode, the logits buffer.
+    The output has the targets' shape (N rows in order) and is not a view, so it can be an FSDP2
+    forward's return value."""
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, targets, temperature: float, chunk_rows: int,
                 keep_bytes: int = 0):
         inv_t = 1.0 / temperature
-        n_rows = hidden_NH.shape[0]
+        n_rows, vocab = hidden_NH.shape[0], weight_VH.shape[0]
         targets_N = targets.reshape(-1)
         out = torch.empty(targets.shape, dtype=torch.float32, device=hidden_NH.device)
         out_N = out.view(-1)
         lse_N = torch.empty(n_rows, dtype=torch.float32, device=hidden_NH.device)
-        logit_bytes = n_rows * weight_VH.shape[0] * torch.empty((), dtype=hidden_NH.dtype).element_size()
-        kept = [] if any(ctx.needs_input_grad[:3]) and 0 < logit_bytes <= keep_bytes else None
+        mm_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
+        keep = any(ctx.needs_input_grad[:3]) and 0 < n_rows * vocab * mm_dtype.itemsize <= keep_bytes
+        logits_NV = torch.empty(n_rows, vocab, dtype=mm_dtype, device=hidden_NH.device) if keep else None
         for i in range(0, n_rows, chunk_rows):
-            logits = _chunk_logits(hidden_NH[i:i + chunk_rows], weight_VH, bias_V, inv_t)
-            out_N[i:i + chunk_rows], lse_N[i:i + chunk_rows] = _logp_lse(logits, targets_N[i:i + chunk_rows])
-            if kept is not None:
-                kept.append(logits)
+            rows = slice(i, i + chunk_rows)
+            logits = _chunk_logits(hidden_NH[rows], weight_VH, bias_V, inv_t,
+                                   out=logits_NV[rows] if keep else None)
+            out_N[rows], lse_N[rows] = _logp_lse(logits, targets_N[rows])
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, lse_N)
-        ctx.inv_t, ctx.chunk_rows, ctx.kept = inv_t, chunk_rows, kept
+        ctx.inv_t, ctx.chunk_rows, ctx.logits_NV = inv_t, chunk_rows, logits_NV
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
-        inv_t, chunk_rows, kept = ctx.inv_t, ctx.chunk_rows, ctx.kept
-        ctx.kept = None
+        inv_t, chunk_rows, buf_NV = ctx.inv_t, ctx.chunk_rows, ctx.logits_NV
+        ctx.logits_NV = None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_N = grad_out.reshape(-1).float()
+        if buf_NV is not None:
+            for i in range(0, hidden_NH.shape[0], chunk_rows):
+                rows = slice(i, i + chunk_rows)
+                _grad_logits_(buf_NV[rows], lse_N[rows], targets_N[rows], grad_N[rows])
+            # buf is now dlogp/dz for every row: one matmul each, accumulated in fp32 by the GEMM.
+            h = hidden_NH * inv_t if inv_t != 1.0 else hidden_NH
+            grad_h = ((buf_NV @ weight_VH) * inv_t).to(hidden_NH.dtype) if need_h else None
+            grad_w = (buf_NV.t() @ h.to(buf_NV.dtype)).to(weight_VH.dtype) if need_w else None
+            grad_b = (buf_NV.sum(0, dtype=torch.float32) * inv_t).to(bias_V.dtype) \
+                if need_b and bias_V is not None else None
+            return grad_h, grad_w, grad_b, None, None, None, None
         grad_h = torch.empty_like(hidden_NH) if need_h else None
         # Weight grads accumulate across chunks in fp32 so bf16 rounding happens once, not per chunk.
         grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
         grad_b = torch.zeros(weight_VH.shape[0], dtype=torch.float32, device=weight_VH.device) \
             if need_b and bias_V is not None else None
-        grad_N = grad_out.reshape(-1).float()
-        for k, i in enumerate(range(0, hidden_NH.shape[0], chunk_rows)):
-            h = hidden_NH[i:i + chunk_rows]
-            if kept is not None:
-                logits, kept[k] = kept[k], None
-            else:
-                logits = _chunk_logits(h, weight_VH, bias_V, inv_t)
-            grad_z = _grad_logits(logits, lse_N[i:i + chunk_rows], targets_N[i:i + chunk_rows],
-                                  grad_N[i:i + chunk_rows])
-            del logits
+        for i in range(0, hidden_NH.shape[0], chunk_rows):
+            rows = slice(i, i + chunk_rows)
+            h = hidden_NH[rows]
+            grad_z = _chunk_logits(h, weight_VH, bias_V, inv_t)
+            _grad_logits_(grad_z, lse_N[rows], targets_N[rows], grad_N[rows])
             if grad_h is not None:
-                grad_h[i:i + chunk_rows] = (grad_z @ weight_VH) * inv_t
+                grad_h[rows] = (grad_z @ weight_VH) * inv_t
             if grad_w is not None:
                 grad_w += grad_z.t() @ (h * inv_t)
             if grad_b is not None:
@@ -89,17 +103,17 @@ def _logp_lse_eager(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[t
 
 
 def _grad_logits_eager(logits_cV, lse_c, targets_c, g_c) -> torch.Tensor:
-    """d(sum g * logp) / dz = g * (onehot(y) - softmax(z)), in fp32, returned in the matmul dtype."""
+    """Overwrites z with d(sum g * logp) / dz = g * (onehot(y) - softmax(z)), computed in fp32."""
     grad = torch.exp(logits_cV.float() - lse_c[:, None]) * (-g_c)[:, None]
     grad.scatter_add_(1, targets_c[:, None], g_c[:, None])
-    return grad.to(logits_cV.dtype)
+    return logits_cV.copy_(grad)
 
 
 def _grad_logits_fusable(logits_cV, lse_c, targets_c, g_c) -> torch.Tensor:
-    # The one-hot as a comparison rather than a scatter, so the compiler makes one pass over z.
+    # The one-hot as a comparison rather than a scatter, so the compiler makes one in-place pass over z.
     cols = torch.arange(logits_cV.shape[1], device=logits_cV.device)
     onehot = (cols[None, :] == targets_c[:, None]).float()
-    return ((onehot - torch.exp(logits_cV.float() - lse_c[:, None])) * g_c[:, None]).to(logits_cV.dtype)
+    return logits_cV.copy_((onehot - torch.exp(logits_cV.float() - lse_c[:, None])) * g_c[:, None])
 
 
 _compiled: dict[str, object] = {}
@@ -123,17 +137,20 @@ def _logp_lse(logits_cV, targets_c):
     return _fused("logp_lse", _logp_lse_eager, _logp_lse_eager, logits_cV)(logits_cV, targets_c)
 
 
-def _grad_logits(logits_cV, lse_c, targets_c, g_c):
+def _grad_logits_(logits_cV, lse_c, targets_c, g_c):
     return _fused("grad_logits", _grad_logits_fusable, _grad_logits_eager, logits_cV)(logits_cV, lse_c,
                                                                                       targets_c, g_c)
 
 
-def _chunk_logits(h_cH, weight_VH, bias_V, inv_t: float) -> torch.Tensor:
+def _chunk_logits(h_cH, weight_VH, bias_V, inv_t: float, out: torch.Tensor | None = None) -> torch.Tensor:
     # (h / t) W^T rather than (h W^T) / t: scales c x H values instead of c x V.
     h = h_cH * inv_t if inv_t != 1.0 else h_cH
-    logits = h @ weight_VH.t()
+    if out is None:
+        logits = h @ weight_VH.t()
+    else:
+        logits = torch.matmul(h.to(out.dtype), weight_VH.t().to(out.dtype), out=out)
     if bias_V is not None:
-        logits = logits + bias_V * inv_t
+        logits.add_(bias_V * inv_t)
     return logits
 
 
@@ -143,19 +160,28 @@ def linear_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_B
                     keep_logits_bytes: int = 0) -> torch.Tensor:
     """log softmax((hidden W^T + b) / temperature) at `targets`, fp32, shape B x T.
 
-    `rows_BT` (bool, B x T): compute only those positions (the completion tokens); the others are 0.
-    `keep_logits_bytes`: keep the logits for the backward instead of recomputing them when all of
-    them fit in this many bytes."""
+    `rows_BT`: compute only those positions (the completion tokens), given as a bool B x T mask or
+    as flat int64 indices into B x T (no device sync); the others are 0. `keep_logits_bytes`: keep
+    the logits for the backward instead of recomputing them when all of them fit in this many bytes."""
     chunk_rows = chunk_rows or default_chunk_rows(weight_VH.shape[0])
+    H = hidden_BTH.shape[-1]
     if rows_BT is None:
-        flat = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
-        return ChunkedLinearLogprob.apply(flat, weight_VH, bias_V, targets_BT, temperature, chunk_rows,
-                                          keep_logits_bytes)
-    rows_BT = rows_BT.bool()
-    picked = ChunkedLinearLogprob.apply(hidden_BTH[rows_BT], weight_VH, bias_V, targets_BT[rows_BT], temperature,
-                                        chunk_rows, keep_logits_bytes)
-    out = torch.zeros(targets_BT.shape, dtype=torch.float32, device=hidden_BTH.device)
-    return out.masked_scatter(rows_BT, picked)
+        return ChunkedLinearLogprob.apply(hidden_BTH.reshape(-1, H), weight_VH, bias_V, targets_BT, temperature,
+                                          chunk_rows, keep_logits_bytes)
+    idx_N = _flat_index(rows_BT)
+    picked = ChunkedLinearLogprob.apply(hidden_BTH.reshape(-1, H).index_select(0, idx_N), weight_VH, bias_V,
+                                        targets_BT.reshape(-1).index_select(0, idx_N), temperature, chunk_rows,
+                                        keep_logits_bytes)
+    return _scatter_rows(picked, idx_N, targets_BT.shape)
+
+
+def _flat_index(rows_BT: torch.Tensor) -> torch.Tensor:
+    return rows_BT if rows_BT.dtype == torch.long else rows_BT.reshape(-1).nonzero().squeeze(1)
+
+
+def _scatter_rows(picked_N: torch.Tensor, idx_N: torch.Tensor, shape) -> torch.Tensor:
+    out = torch.zeros(shape.numel(), dtype=picked_N.dtype, device=picked_N.device)
+    return out.index_copy(0, idx_N, picked_N).view(shape)
 
 
 def _output_head(model: nn.Module) -> nn.Linear:
@@ -177,8 +203,18 @@ def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, te
     head = _output_head(self)
     hidden_BLH = self.get_decoder()(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
                                     use_cache=False).last_hidden_state
-    return linear_logprobs(hidden_BLH[:, :-1], head.weight, input_ids_BL[:, 1:], temperature, head.bias,
-                           chunk_rows, rows_BT, keep_logits_bytes)
+    if rows_BT is None:
+        return linear_logprobs(hidden_BLH[:, :-1], head.weight, input_ids_BL[:, 1:], temperature, head.bias,
+                               chunk_rows, None, keep_logits_bytes)
+    # Rows picked straight from the contiguous B x L hidden states: position (b, t) of the B x T grid
+    # (T = L - 1) is row b * L + t, and its target token is at b * L + t + 1.
+    B, L, H = hidden_BLH.shape
+    idx_N = _flat_index(rows_BT)
+    idx_BL = idx_N + idx_N // (L - 1)
+    picked = ChunkedLinearLogprob.apply(hidden_BLH.reshape(-1, H).index_select(0, idx_BL), head.weight, head.bias,
+                                        input_ids_BL.reshape(-1).index_select(0, idx_BL + 1), temperature,
+                                        chunk_rows or default_chunk_rows(head.weight.shape[0]), keep_logits_bytes)
+    return _scatter_rows(picked, idx_N, torch.Size((B, L - 1)))
 
 
 def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
@@ -186,8 +222,9 @@ def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_ma
                       keep_logits_bytes: int = 0) -> torch.Tensor:
     """logp_BT[b, j] = log pi(input_ids[b, j+1] | input_ids[b, :j+1]) at `temperature`, for a Hugging
     Face causal LM (plain or FSDP2-wrapped), without materialising B x T x V logits. With `rows_BT`
-    only those positions are computed (the rest are 0): the learner passes its loss mask, so the
-    output head never runs on prompt or padding positions."""
+    (a bool B x T mask, or flat int64 indices into B x T: `Batch.loss_rows`) only those positions
+    are computed (the rest are 0): the learner passes its loss positions, so the output head never
+    runs on prompt or padding positions."""
     method = getattr(model, _METHOD, None)
     if method is None:
         from torch.distributed.fsdp import register_fsdp_forward_method

@@ -34,7 +34,7 @@ def reference_logprobs(ref_model: nn.Module, batch: Batch, temperature: float) -
     ref_model.eval()
     with torch.no_grad():
         return sequence_logprobs(ref_model, batch.input_ids_BL, batch.attention_mask_BL, temperature,
-                                 rows_BT=batch.loss_mask_BT)
+                                 rows_BT=batch.loss_rows)
 
 
 def shaped_rewards(batch: Batch, alg: AlgorithmConfig, max_tokens: int, kl_seq_B: torch.Tensor | None,
@@ -94,7 +94,7 @@ def batch_targets(model: nn.Module, batch: Batch, cfg: Config, ref_logp_BT: torc
     if num_updates > 1 or (ref_logp_BT is not None and alg.kl_in == "reward"):
         with torch.no_grad():
             prox = sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, cfg.generator.temperature,
-                                     rows_BT=mask)
+                                     rows_BT=batch.loss_rows)
     kl_seq_B = None
     if ref_logp_BT is not None and alg.kl_in == "reward":
         kl_seq_B = (losses.kl_estimate(prox, ref_logp_BT, alg.kl_estimator) * mask).sum(dim=1)
@@ -104,6 +104,36 @@ def batch_targets(model: nn.Module, batch: Batch, cfg: Config, ref_logp_BT: torc
         adv, returns = adv_fns.gae(rewards_B, values_BT, mask, alg.gamma, alg.lam)
         return Targets(adv_fns.whiten(adv, mask), prox, returns)
     return Targets(advantages_BT(batch, rewards_B, alg), prox)
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (2-norm, same result) without DTensor dispatch per gradient:
+    FSDP2 shards every gradient along dim 0, so each element lives on exactly one rank; the norm is
+    one foreach over the local shards plus one all-reduce of the squared sum. Anything else
+    (replicated placements, gradients on the CPU) goes through torch's function."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    dts = [g for g in grads if isinstance(g, DTensor)]
+    mesh = dts[0].device_mesh if dts else None
+    plain_ok = len(dts) == 0 and len({g.device for g in grads}) == 1
+    # The all-reduce runs on the mesh's device type: gradients offloaded elsewhere take torch's path.
+    sharded_ok = (len(dts) == len(grads) and mesh.ndim == 1 and all(g.device_mesh == mesh for g in dts)
+                  and all(isinstance(pl, Shard) and pl.dim == 0 for g in dts for pl in g.placements)
+                  and len({g.device for g in dts}) == 1 and grads[0].device.type == mesh.device_type)
+    if not (plain_ok or sharded_ok):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    local = [g.to_local() for g in dts] if dts else grads
+    sq = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
+    if dts and mesh.size() > 1:
+        dist.all_reduce(sq, group=mesh.get_group())
+    total = sq.sqrt()
+    torch._foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0).to(local[0].dtype))
+    return total
 
 
 def token_loss(alg: AlgorithmConfig, logp, prox, batch: Batch, adv):
@@ -142,12 +172,12 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     mask = batch.loss_mask_BT
 
     def logp_BT() -> torch.Tensor:
-        return sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, temperature, rows_BT=mask,
-                                 keep_logits_bytes=int(cfg.learner.keep_logits_gb * 2**30))
+        return sequence_logprobs(model, batch.input_ids_BL, batch.attention_mask_BL, temperature,
+                                 rows_BT=batch.loss_rows, keep_logits_bytes=int(cfg.learner.keep_logits_gb * 2**30))
 
     def apply(loss: torch.Tensor) -> torch.Tensor:
         (loss * loss_scale).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.max_grad_norm)
+        grad_norm = clip_grad_norm(model.parameters(), cfg.learner.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:

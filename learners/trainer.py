@@ -101,12 +101,16 @@ class Learner:
 
     def _build_model(self, auto_cls, fully_shard, mesh, trainable: bool, lora: bool = False):
         """An FSDP2 model with the verl-style switches of `learner.*`; the reference (not trainable)
-        gets the same sharding and precision, no grads, and is never stepped. LoRA adapters go in
-        before `fully_shard` (learners/lora.py says why that order)."""
+        gets the same sharding (none at world size 1) and is held in the compute dtype, with no grads,
+        and is never stepped. LoRA adapters go in before `fully_shard` (learners/lora.py says why
+        that order)."""
         model = auto_cls.from_pretrained(self.cfg.model_path, dtype=torch.float32)
         model.config.use_cache = False
         if not trainable:
-            model.requires_grad_(False).eval()
+            # Frozen: held in the compute dtype, which is what mixed precision would cast it to on
+            # every forward anyway (the same rounding), at half the memory and no per-step cast.
+            mp = self.cfg.learner.mixed_precision
+            model.requires_grad_(False).eval().to(to_dtype(mp.param_dtype))
         if lora:
             from learners.lora import apply_lora
 
@@ -129,10 +133,15 @@ class Learner:
         if lc.param_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         layers = model.model.layers if hasattr(model, "model") else model.layers
+        # A frozen model on one rank has nothing to shard over: FSDP2 would only add copies.
+        shard = trainable or self.world > 1 or lc.param_offload
         for i, layer in enumerate(layers):
             if lc.compile:
                 layer = layers[i] = torch.compile(layer)
-            fully_shard(layer, **kwargs)
+            if shard:
+                fully_shard(layer, **kwargs)
+        if not shard:
+            return model.to(self.device)
         fully_shard(model, **kwargs)
         return model
 

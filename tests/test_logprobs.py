@@ -22,8 +22,9 @@ def naive_linear_logprobs(h, w, b, targets, temperature):
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_logprobs_values_and_grads_match_naive(with_bias):
+def test_linear_logprobs_values_and_grads_match_naive(with_bias, keep):
     torch.manual_seed(0)
     B, T, H, V = 2, 7, 5, 13
     h = torch.randn(B, T, H, dtype=torch.float64, requires_grad=True)
@@ -35,7 +36,8 @@ def test_linear_logprobs_values_and_grads_match_naive(with_bias):
 
     ref = naive_linear_logprobs(h, w, b, targets, 0.7)
     ref_grads = torch.autograd.grad((ref * upstream).sum(), leaves)
-    out = linear_logprobs(h, w, targets, 0.7, bias_V=b, chunk_rows=3)  # 14 rows: chunks of 3, 3, 3, 3, 2
+    # 14 rows: chunks of 3, 3, 3, 3, 2; keep: the logits buffer is kept for the backward
+    out = linear_logprobs(h, w, targets, 0.7, bias_V=b, chunk_rows=3, keep_logits_bytes=1 << 20 if keep else 0)
     grads = torch.autograd.grad((out * upstream.float()).sum(), leaves)
 
     assert out.dtype == torch.float32 and out.shape == (B, T)
@@ -70,7 +72,8 @@ def test_linear_logprobs_rows_subset_and_kept_logits(keep):
 
 
 def test_fusable_logit_grad_equals_eager():
-    """The comparison-one-hot form compiled on CUDA computes what the scatter form computes."""
+    """The comparison-one-hot form compiled on CUDA computes what the scatter form computes, both
+    overwriting the logits in place."""
     from learners.logprobs import _grad_logits_eager, _grad_logits_fusable, _logp_lse_eager
 
     torch.manual_seed(3)
@@ -80,7 +83,7 @@ def test_fusable_logit_grad_equals_eager():
         g = torch.randn(9)
         logp, lse = _logp_lse_eager(z, y)
         assert torch.allclose(logp, torch.log_softmax(z.float(), -1).gather(1, y[:, None]).squeeze(1), atol=1e-6)
-        a, b = _grad_logits_eager(z, lse, y, g), _grad_logits_fusable(z, lse, y, g)
+        a, b = _grad_logits_eager(z.clone(), lse, y, g), _grad_logits_fusable(z.clone(), lse, y, g)
         assert a.dtype == b.dtype == dtype
         assert torch.allclose(a.float(), b.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
 
@@ -171,8 +174,63 @@ def test_sequence_logprobs_under_fsdp2_world_size_1(tied):
         for n, p in sharded.named_parameters():
             assert p.grad is not None, n
             assert torch.allclose(p.grad.full_tensor(), ref_grads[n].grad, atol=1e-5), n
+        # Only the loss positions, picked by host-made flat indices: the same values there, 0 elsewhere.
+        rows = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+        rows[0, 2:] = rows[2, 4:7] = 1
+        idx = rows.reshape(-1).nonzero().squeeze(1)
+        picked = sequence_logprobs(sharded, ids, attn, 1.0, chunk_rows=4, rows_BT=idx)
+        assert torch.allclose(picked, ref.detach() * rows, atol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def _clip_worker(rank: int, port: int, q) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from learners.step import clip_grad_norm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        plain = tiny_lm(tied=True)
+        sharded = copy.deepcopy(plain)
+        for layer in sharded.model.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        ids, attn = padded_batch()
+        for m in (plain, sharded):
+            (sequence_logprobs(m, ids, attn, 1.0) * attn[:, 1:]).sum().neg().backward()
+        want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        got = clip_grad_norm(sharded.parameters(), 0.05)
+        full = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+        if rank == 0:
+            ref = dict(plain.named_parameters())
+            q.put((float(want), float(got), max(float((g - ref[n].grad).abs().max()) for n, g in full.items())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_clip_grad_norm_on_fsdp2_shards_matches_torch():
+    """Two gloo ranks: the local-shard norm (one all-reduce) equals torch's clip_grad_norm_ on the
+    unsharded model, and the clipped gradients match."""
+    import torch.multiprocessing as mp
+
+    from learners.step import clip_grad_norm
+
+    plain, twin = tiny_lm(tied=False), tiny_lm(tied=False)
+    ids, attn = padded_batch()
+    for m in (plain, twin):
+        sequence_logprobs(m, ids, attn, 1.0).sum().backward()
+    assert abs(float(clip_grad_norm(plain.parameters(), 0.05)) -
+               float(torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05))) < 1e-5
+    for a, b in zip(plain.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-7)
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_clip_worker, args=(_free_port(), q), nprocs=2, join=True, start_method="spawn")
+    want, got, max_diff = q.get(timeout=10)
+    assert want > 0.05, "the test must actually clip"
+    assert abs(want - got) < 1e-5 * max(1.0, want) and max_diff < 1e-6, (want, got, max_diff)
 
 
 def test_policy_update_equals_the_full_logits_update():
@@ -188,6 +246,7 @@ def test_policy_update_equals_the_full_logits_update():
         input_ids_BL, attention_mask_BL = ids, attn
         loss_mask_BT = attn[:, 1:].float()
         loss_mask_BT[:, :3] = 0  # prompt positions
+        loss_rows = loss_mask_BT
         behav_logp_BT = -torch.rand(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(5))
         rewards_B = torch.tensor([1.0, 0.0, 0.5])
         group_size = 3
