@@ -41,8 +41,12 @@ class ModelConfig:
     # A Hugging Face model directory or hub name. Empty: a tiny model is written to {run_dir}/tiny-model.
     path: str = ""
     tiny_warm_start_steps: int = 30  # supervised warm start of the tiny model (format only, see tiny_model.py)
+    tiny_warm_start_lr: float = 3e-3  # larger shapes want less (the gpu-copy benchmark preset: 1e-3)
     tiny_hidden_size: int = 128
     tiny_num_layers: int = 2
+    tiny_num_heads: int = 0  # 0: tiny_hidden_size // 64, i.e. head dimension 64 (what vLLM's CPU attention takes)
+    tiny_num_kv_heads: int = 1
+    tiny_intermediate_size: int = 0  # 0: 2 * tiny_hidden_size
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -221,6 +225,9 @@ class WeightsConfig:
     join_timeout_s: float = 30.0  # members that do not join a new group epoch by then are dropped
     sync_timeout_s: float = 60.0  # a broadcast that does not finish by then fails the epoch
     port: int = 0  # 0: a free port for the weight group's TCPStore
+    # auto: nccl when the learner is on CUDA, else gloo. gloo on CUDA: one GPU shared by the learner and
+    # vLLM cannot hold two NCCL ranks, so the buckets go through host memory instead.
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 
 @dataclass
@@ -286,6 +293,21 @@ class Config:
     def model_path(self) -> str:
         return self.model.path or str(self.run_dir / "tiny-model")
 
+    def tiny_shape(self) -> dict:
+        """`model.tiny_*` as keyword arguments of asyncrl.tiny_model.write_tiny_model."""
+        m = self.model
+        heads = m.tiny_num_heads or m.tiny_hidden_size // 64
+        return {"hidden_size": m.tiny_hidden_size, "num_layers": m.tiny_num_layers, "num_heads": heads,
+                "num_kv_heads": m.tiny_num_kv_heads,
+                "intermediate_size": m.tiny_intermediate_size or 2 * m.tiny_hidden_size}
+
+    def _tiny_shape_ok(self) -> bool:
+        m = self.model
+        heads = m.tiny_num_heads or m.tiny_hidden_size // 64
+        return (m.tiny_hidden_size > 0 and m.tiny_num_layers > 0 and heads > 0 and m.tiny_num_kv_heads > 0
+                and m.tiny_intermediate_size >= 0 and m.tiny_hidden_size % (m.tiny_num_heads or 64) == 0
+                and heads % m.tiny_num_kv_heads == 0)
+
     def validate(self) -> Config:
         """Cross-field checks; each error names the dotted path and the fix."""
         checks = [
@@ -322,6 +344,9 @@ class Config:
             (self.weights.sync_every >= 1, "weights.sync_every must be >= 1"),
             (self.weights.bucket_mb > 0, "weights.bucket_mb must be > 0"),
             (self.data.min_len <= self.data.max_len, "data.min_len must be <= data.max_len"),
+            (self._tiny_shape_ok(), f"model.tiny_hidden_size ({self.model.tiny_hidden_size}) must be a multiple of 64 "
+             f"with model.tiny_num_heads=0, else of model.tiny_num_heads ({self.model.tiny_num_heads}), which must be a "
+             f"multiple of model.tiny_num_kv_heads ({self.model.tiny_num_kv_heads}); layers and sizes > 0"),
             (self.buffer.capacity > 0, f"buffer.capacity must be > 0, got {self.buffer.capacity}"),
             (self.buffer.replay_ratio >= 1, f"buffer.replay_ratio must be >= 1, got {self.buffer.replay_ratio}"),
             (self.buffer.replay_ratio == 1 or self.buffer.sampling == "replay",

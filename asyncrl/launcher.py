@@ -40,7 +40,7 @@ def ensure_model(cfg: Config) -> str:
 
             log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny_warm_start_steps)
             write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny_warm_start_steps,
-                             hidden_size=cfg.model.tiny_hidden_size, num_layers=cfg.model.tiny_num_layers)
+                             warm_start_lr=cfg.model.tiny_warm_start_lr, **cfg.tiny_shape())
     return str(path)
 
 

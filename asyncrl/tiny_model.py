@@ -58,16 +58,18 @@ def tiny_config(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, nu
     )
 
 
-def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, batch_size: int = 32) -> float:
+def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, batch_size: int = 32,
+               device: str = "cpu") -> float:
     """A short supervised warm start on the copy task; returns the last loss.
 
     Kept deliberately short: it teaches the output format so that RL has a non-zero reward to climb,
-    not the task itself.
+    not the task itself. `device="cuda"` for the larger shapes of the GPU benchmark (fp32 either way).
     """
     import torch
 
     from asyncrl.tasks import copy_dataset
 
+    model.to(device)
     rows = copy_dataset(num_steps * batch_size, seed=seed + 7919)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -84,17 +86,19 @@ def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, ba
         input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
         label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
         attn = (torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]).long()
-        loss = model(input_ids=input_ids, attention_mask=attn, labels=label_ids).loss
+        loss = model(input_ids=input_ids.to(device), attention_mask=attn.to(device), labels=label_ids.to(device)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         loss_value = float(loss.detach())
     model.eval()
+    model.to("cpu")
     return loss_value
 
 
-def write_tiny_model(out: str | Path, seed: int = 0, warm_start_steps: int = 0, **shape) -> Path:
-    """Writes model + tokenizer to `out` and returns the path."""
+def write_tiny_model(out: str | Path, seed: int = 0, warm_start_steps: int = 0, device: str = "cpu",
+                     warm_start_lr: float = 3e-3, **shape) -> Path:
+    """Writes model + tokenizer to `out` and returns the path (`shape`: tiny_config's keywords)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +109,7 @@ def write_tiny_model(out: str | Path, seed: int = 0, warm_start_steps: int = 0, 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(vocab_size, **shape), dtype=torch.float32)
     if warm_start_steps > 0:
-        loss = warm_start(model, tokenizer, warm_start_steps, seed)
+        loss = warm_start(model, tokenizer, warm_start_steps, seed, lr=warm_start_lr, device=device)
         log.info("warm start steps=%d loss=%.4f", warm_start_steps, loss)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

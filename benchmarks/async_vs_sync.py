@@ -3,6 +3,23 @@
     python benchmarks/async_vs_sync.py                        # the tiny copy task on CPU
     python benchmarks/async_vs_sync.py --preset gpu --model /path/to/Qwen2.5-0.5B-Instruct \
         --data data/gsm8k/train.parquet                       # one GPU (needs vLLM's CUDA build)
+    python benchmarks/async_vs_sync.py --preset gpu-copy --steps 30 --min-gen-s 10 \
+        --out runs/bench-gpu-copy                             # one GPU, no weights to download
+
+`gpu-copy`: the copy task on one GPU with a random-init model written here, so nothing is downloaded:
+the tiny Qwen2 shape scaled to hidden 512, 8 layers (8 heads of 64, 2 KV heads, ~18M parameters),
+warm-started on the GPU for 40 supervised steps at lr 1e-3 (sampled copy reward ~0.5 measured on CPU,
+where the CPU presets' tiny model starts too). vLLM's CUDA build in bf16 with CUDA graphs
+(`enforce_eager=false`, 30% of the GPU's memory); the learner on the same GPU in bf16 mixed precision
+(fp32 reductions); weights pushed over gloo through host memory (`weights.backend=gloo`: one GPU cannot
+hold two NCCL ranks). 64 groups of 16 samples a step. Sized for the six runs to finish in about
+8 minutes on an H200, about half of it vLLM's four start-ups; `--min-gen-s 10` shortens the
+generator-alone windows. Needs, besides torch, transformers and vLLM's CUDA build: pyzmq, msgspec,
+redis (redis-py), pyyaml, numpy, safetensors, tokenizers, psutil (uvloop is used when present), and a
+`redis-server` binary on PATH. Without CUDA the preset still runs on vLLM's CPU build when shrunk:
+`model.tiny_hidden_size=128 model.tiny_num_layers=2 model.tiny_num_kv_heads=1
+model.tiny_intermediate_size=256 learner.batch_groups=4 generator.n=4 generator.enforce_eager=true`
+(a start-up check of the preset, not a measurement).
 
 Real runs, back to back in one invocation (the machine's load drifts; ratios of neighbours are
 what to read):
@@ -53,6 +70,15 @@ PRESETS = {
     "cpu-pinned": ["generator.max_concurrent_groups=2", "generator.kv_cache_gb=0.5", "learner.batch_groups=32",
                    "learner.ppo_epochs=6", "algorithm.max_staleness=2", "logging.prometheus=false",
                    "run.stall_timeout_s=0", "generator.cpus=0", "learner.cpus=1", "buffer.cpus=1"],
+    # One GPU, the copy task and a random-init model built here (see the docstring): nothing to download.
+    "gpu-copy": ["model.tiny_hidden_size=512", "model.tiny_num_layers=8", "model.tiny_num_kv_heads=2",
+                 "model.tiny_intermediate_size=1024", "model.tiny_warm_start_steps=40",
+                 "model.tiny_warm_start_lr=0.001", "model.dtype=bfloat16", "generator.dtype=bfloat16",
+                 "generator.n=16", "generator.max_concurrent_groups=128", "generator.gpu_memory_utilization=0.3",
+                 "generator.enforce_eager=false", "learner.batch_groups=64", "learner.lr=0.0001",
+                 "learner.mixed_precision.param_dtype=bfloat16", "learner.mixed_precision.reduce_dtype=float32",
+                 "weights.backend=gloo", "buffer.prompt_backlog=256", "algorithm.max_staleness=2",
+                 "logging.prometheus=false", "run.stall_timeout_s=0"],
     # One GPU shared by one vLLM engine and one learner rank (the stages do not get their own device).
     "gpu": ["data.task=gsm8k", "reward.name=gsm8k", "data.chat_template=true", "generator.n=8",
             "generator.max_tokens=512", "generator.max_model_len=1024", "generator.max_concurrent_groups=64",
@@ -308,34 +334,44 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (CPU)")
     ap.add_argument("--modes", default="async,sync")
     ap.add_argument("--no-stages", action="store_true", help="skip the stage-alone runs")
+    ap.add_argument("--min-gen-s", type=float, default=20.0, help="shortest generator-alone window, seconds")
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides for every run")
     args = ap.parse_args()
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     model = args.model
     if not model:
+        import torch
+
         from asyncrl.tiny_model import write_tiny_model
 
-        model = str(write_tiny_model(out_dir / "tiny-model", seed=0, warm_start_steps=30))
+        # The preset's model.tiny_* shape and warm start; on the GPU when there is one (larger shapes).
+        probe = load_config(None, [*PRESETS[args.preset], *args.overrides])
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = str(write_tiny_model(out_dir / "tiny-model", seed=0, warm_start_steps=probe.model.tiny_warm_start_steps,
+                                     device=device, warm_start_lr=probe.model.tiny_warm_start_lr,
+                                     **probe.tiny_shape()))
     base = [*PRESETS[args.preset], f"run.max_steps={args.steps}", f"model.path={model}", *args.overrides]
     if args.data:
         base.append(f"data.path={args.data}")
+    # The repo first, then what PYTHONPATH already holds (vLLM's CUDA bundle is installed that way on the GPU box).
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": pythonpath}
     results = {"preset": args.preset, "steps": args.steps, "overrides": base, "cpus": os.cpu_count(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
     for mode in [m for m in args.modes.split(",") if m]:
         results["modes"][mode] = run_mode(mode, base, out_dir, env)
         print(f"{mode}: {results['modes'][mode]['trained_tokens_per_s']:.1f} trained tok/s", flush=True)
     if not args.no_stages:
-        results["stages"] = stages_alone(base, out_dir, env, args.steps, min_gen_s=20.0)
+        results["stages"] = stages_alone(base, out_dir, env, args.steps, min_gen_s=args.min_gen_s)
         final = out_dir / "bench-async" / "hf-final"
         if "async" in results["modes"] and final.exists():
             # The workload drifts as the policy learns (which samples run long, how much a batch pads),
             # so each stage is measured again with the async run's final policy; a run's stage rate
             # lies between the two, and the efficiency uses their mean.
             results["stages_final"] = stages_alone([*base, f"model.path={final}"], out_dir, env, args.steps,
-                                                   min_gen_s=20.0, name="bench-stages-final")
+                                                   min_gen_s=args.min_gen_s, name="bench-stages-final")
     summarize(results)
     path = out_dir / "async_vs_sync.json"
     path.write_text(json.dumps(results, indent=2))

@@ -215,7 +215,8 @@ class Learner:
         if (frame := self.client.get(self.keys.wgroup)) is not None:
             epoch0 = schema.decode(frame, schema.GroupEpoch).epoch
         host = cfg.deploy.bind_host
-        self.sender = WeightSender(host, cfg.weights.port, "nccl" if self.cuda else "gloo",
+        backend = cfg.weights.backend if cfg.weights.backend != "auto" else ("nccl" if self.cuda else "gloo")
+        self.sender = WeightSender(host, cfg.weights.port, backend,
                                    cfg.weights.join_timeout_s, cfg.weights.sync_timeout_s, first_epoch=epoch0)
         set_and_notify(self.client, self.keys, self.keys.version, self.version, "version")
         self.pending: list[schema.TrajectoryGroup] = []
@@ -525,7 +526,8 @@ class Learner:
                                         epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time())
         # The wake-up lets generators join the broadcast at once instead of at their next poll.
         set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
-        send_dev = self.device
+        # gloo moves host memory: on CUDA the buckets are packed on the CPU (one copy out of the GPU).
+        send_dev = self.device if self.sender.backend == "nccl" else torch.device("cpu")
         try:
             self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev))
             self.synced[self.version] = self.last_checksums

@@ -36,6 +36,29 @@ def test_every_shipped_config_loads(path: Path):
     load_config(path)
 
 
+def test_benchmark_presets_load_and_tiny_shapes_are_checked():
+    """Every preset of benchmarks/async_vs_sync.py validates (gpu-copy is run on a GPU box, so its
+    config must be right before it gets there); the default tiny shape is the one tests have used."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from async_vs_sync import PRESETS
+
+    for name, overrides in PRESETS.items():
+        cfg = load_config(None, [*overrides, "data.path=train.parquet"])
+        if name == "gpu-copy":
+            assert cfg.tiny_shape() == {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 2,
+                                        "intermediate_size": 1024}
+            assert cfg.weights.backend == "gloo" and not cfg.generator.enforce_eager
+            assert cfg.learner.mixed_precision.param_dtype == "bfloat16" == cfg.model.dtype == cfg.generator.dtype
+    assert load_config(None, []).tiny_shape() == {"hidden_size": 128, "num_layers": 2, "num_heads": 2,
+                                                  "num_kv_heads": 1, "intermediate_size": 256}
+    with pytest.raises(ConfigError, match="model.tiny_hidden_size .* multiple of 64"):
+        load_config(None, ["model.tiny_hidden_size=100"])
+    with pytest.raises(ConfigError, match="multiple of model.tiny_num_kv_heads"):
+        load_config(None, ["model.tiny_hidden_size=512", "model.tiny_num_kv_heads=3"])
+    with pytest.raises(ConfigError, match="weights.backend: 'mpi' is not one of"):
+        load_config(None, ["weights.backend=mpi"])
+
+
 def test_cli_rejects_misspelled_key_at_start_and_help_is_fast():
     r = subprocess.run([sys.executable, "-m", "asyncrl", "run", "learner.lrr=3"], capture_output=True, text=True)
     assert r.returncode == 2
