@@ -160,6 +160,9 @@ class LearnerConfig:
     param_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state on CPU
     optimizer_offload: bool = False  # FSDP2 offloads optimizer state only together with parameters
     reshard_after_forward: bool = True
+    # false: one FSDP2 unit for the whole model instead of one per decoder layer: far fewer hooks and
+    # collectives per step, for one GPU (nothing to overlap there) with memory for all the gradients.
+    shard_layers: bool = True
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer

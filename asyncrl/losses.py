@@ -3,7 +3,7 @@
 Notation: logp = log pi_theta (with grad), prox = log pi_prox (the policy the PPO trust region is
 around; the current policy before this batch's updates), behav = log mu (the generator's policy that
 sampled the tokens, possibly several versions old). Every function returns the per-token loss
-[B, T] before aggregation (asyncrl.algorithms.aggregate) and a dict of statistics.
+[B, T] before aggregation (asyncrl.algorithms.aggregate) and a dict of statistics (0-dim tensors).
 """
 
 from __future__ import annotations
@@ -12,13 +12,22 @@ import torch
 
 
 def _stats(mask_BT, **tensors) -> dict:
+    """Masked mean and max of each tensor, as 0-dim tensors (0 when nothing is masked in): no
+    device-to-host sync here, so a GPU step is not drained before its backward; callers convert."""
     m = mask_BT.bool()
+    n = m.sum()
     out = {}
     for name, t in tensors.items():
-        v = t.detach()[m]
-        out[f"{name}_mean"] = float(v.float().mean()) if v.numel() else 0.0
-        out[f"{name}_max"] = float(v.float().max()) if v.numel() else 0.0
+        v = t.detach().float()
+        out[f"{name}_mean"] = (v * m).sum() / n.clamp(min=1)
+        out[f"{name}_max"] = torch.where(n > 0, torch.where(m, v, -torch.inf).max(), 0.0)
     return out
+
+
+def _frac(flag_BT, mask_BT) -> torch.Tensor:
+    """Fraction of the masked-in tokens where `flag` holds, a 0-dim tensor (0 when none)."""
+    m = mask_BT.bool()
+    return (flag_BT & m).sum() / m.sum().clamp(min=1)
 
 
 def ppo_clip(logp_BT, prox_BT, adv_BT, mask_BT, clip_low=0.2, clip_high=0.2, dual_clip: float | None = None):
@@ -32,10 +41,9 @@ def ppo_clip(logp_BT, prox_BT, adv_BT, mask_BT, clip_low=0.2, clip_high=0.2, dua
         assert dual_clip > 1.0, "dual_clip must be > 1"
         loss = torch.where(adv_BT < 0, torch.minimum(loss, -adv_BT * dual_clip), loss)
     with torch.no_grad():
-        m = mask_BT.bool()
         stats = _stats(mask_BT, ratio=ratio)
-        stats["clip_frac_low"] = float(((ratio < 1 - clip_low) & (adv_BT < 0))[m].float().mean()) if m.any() else 0.0
-        stats["clip_frac_high"] = float(((ratio > 1 + clip_high) & (adv_BT > 0))[m].float().mean()) if m.any() else 0.0
+        stats["clip_frac_low"] = _frac((ratio < 1 - clip_low) & (adv_BT < 0), mask_BT)
+        stats["clip_frac_high"] = _frac((ratio > 1 + clip_high) & (adv_BT > 0), mask_BT)
     return loss, stats
 
 
@@ -81,8 +89,7 @@ def mis_pg(logp_BT, behav_BT, adv_BT, mask_BT, low: float, high: float):
     """Masked-IS policy gradient (IcePop): out-of-band tokens contribute nothing."""
     w, keep = behaviour_mask_mis(logp_BT.detach(), behav_BT, low, high)
     stats = _stats(mask_BT, is_weight=w)
-    m = mask_BT.bool()
-    stats["masked_frac"] = float((~keep)[m].float().mean()) if m.any() else 0.0
+    stats["masked_frac"] = _frac(~keep, mask_BT)
     return -w * adv_BT * logp_BT, stats
 
 
@@ -104,8 +111,8 @@ def gspo(logp_BT, prox_BT, adv_BT, mask_BT, clip_low: float, clip_high: float):
     pg2 = -adv_BT * s_BT.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(pg1, pg2)
     s = torch.exp(log_s_B.detach())
-    stats = {"seq_ratio_mean": float(s.mean()), "seq_ratio_max": float(s.max()),
-             "clip_frac": float(((s < 1 - clip_low) | (s > 1 + clip_high)).float().mean())}
+    stats = {"seq_ratio_mean": s.mean(), "seq_ratio_max": s.max(),
+             "clip_frac": ((s < 1 - clip_low) | (s > 1 + clip_high)).float().mean()}
     return loss, stats
 
 

@@ -153,6 +153,7 @@ def make_groups(batch: int, seq: int, prompt_len: int, vocab: int, seed: int):
 #   noreshard  reshard_after_forward=False (learner.reshard_after_forward)
 #   keep       keep the head's logits for the backward (learner.keep_logits_gb)
 #   refshard   the reference under fully_shard even at world size 1
+#   rootonly   one FSDP2 unit for the whole policy, none per layer (learner.shard_layers=false)
 VARIANT_OPTS = {"rl_compile": {"compile"}, "rl_tuned": {"compile", "noreshard", "keep"}}
 
 
@@ -199,7 +200,7 @@ def setup_rl(shape, device, batch, seq, opts):
     for m in shard:
         if "compile" in opts:
             compile_layers(m)
-        for layer in m.model.layers:
+        for layer in m.model.layers if "rootonly" not in opts else ():
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward="noreshard" not in opts)
         fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward="noreshard" not in opts)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=cfg.learner.weight_decay,

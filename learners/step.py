@@ -194,7 +194,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         loss = aggregate(loss_BT, mask, alg.aggregation)
         if ref_logp_BT is not None:
             kl_BT = losses.kl_estimate(logp, ref_logp_BT, alg.kl_estimator)
-            st["kl"] = float((kl_BT.detach() * mask).sum() / mask.sum().clamp(min=1))
+            st["kl"] = (kl_BT.detach() * mask).sum() / mask.sum().clamp(min=1)
             if alg.kl_in == "loss":
                 loss = loss + kl_coef * aggregate(kl_BT, mask, alg.aggregation)
         return loss, st
@@ -220,4 +220,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         st.setdefault("ratio_mean", 1.0)
         st.setdefault("ratio_max", 1.0)
         st["clip_frac"] = st.get("clip_frac", st.get("clip_frac_low", 0.0) + st.get("clip_frac_high", 0.0))
-    return {**{k: float(v) for k, v in st.items()}, "loss": float(loss.detach()), "grad_norm": float(grad_norm)}
+    # One device-to-host copy for every statistic (they are 0-dim tensors or floats until here).
+    st.update(loss=loss.detach(), grad_norm=grad_norm)
+    names = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([st[k].detach().float().reshape(()).to(mask.device) for k in names]).tolist() if names else []
+    return {**{k: float(v) for k, v in st.items()}, **dict(zip(names, values, strict=True))}

@@ -138,7 +138,7 @@ class Learner:
         for i, layer in enumerate(layers):
             if lc.compile:
                 layer = layers[i] = torch.compile(layer)
-            if shard:
+            if shard and lc.shard_layers:
                 fully_shard(layer, **kwargs)
         if not shard:
             return model.to(self.device)

@@ -41,7 +41,9 @@ def run_learner(tmp_path, tiny_model, name, overrides, steps=3, groups_per_step=
 
 VARIANTS = {
     "gspo_rloo": ["algorithm.loss=gspo", "algorithm.advantage=rloo"],
-    "cispo_reinforcepp": ["algorithm.loss=cispo", "algorithm.advantage=reinforce_pp"],
+    # With the one-GPU switches: one FSDP unit, no resharding, logits kept for the backward.
+    "cispo_reinforcepp": ["algorithm.loss=cispo", "algorithm.advantage=reinforce_pp", "learner.shard_layers=false",
+                          "learner.reshard_after_forward=false", "learner.keep_logits_gb=1"],
     "mis_drgrpo": ["algorithm.loss=mis", "algorithm.advantage=dr_grpo", "algorithm.aggregation=seq_mean_token_sum"],
     "tis_rppbaseline": ["algorithm.loss=tis", "algorithm.advantage=reinforce_pp_baseline"],
     "ppo_dualclip_kl_loss_adaptive": ["algorithm.loss=ppo", "algorithm.dual_clip=3.0", "algorithm.kl_coef=0.05",
