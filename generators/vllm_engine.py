@@ -39,6 +39,11 @@ class VllmEngine:
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             cpu_env_defaults(cfg)
+        else:
+            # The check above initialised CUDA's driver in this process, so an engine core forked from
+            # it fails ("Cannot re-initialize CUDA in forked subprocess", seen on the H200 box under
+            # `asyncrl run` with vLLM 0.25.1): start it with spawn.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
