@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -128,9 +129,15 @@ def _wait(work, timeout_s: float) -> None:
 
 
 def bucket_checksum(buf: torch.Tensor) -> int:
-    """A cheap checksum of a flat uint8 bucket, identical on CPU and CUDA: the wrapping int64 sum of
-    its 8-byte words, one pass of memory bandwidth (it catches lost, truncated or corrupted buckets,
-    not reorderings). Buckets are padded to whole words by `plan_buckets`."""
+    """A cheap checksum of a flat uint8 bucket, identical on CPU and CUDA: the wrapping sum of its
+    8-byte words mod 2**64, one pass of memory bandwidth (it catches lost, truncated or corrupted
+    buckets, not reorderings). Buckets are padded to whole words by `plan_buckets`."""
+    if buf.device.type == "cpu":
+        # numpy, single-threaded: torch's sum wakes its OpenMP pool, whose threads then spin-wait
+        # after every bucket; with more processes than cores that spinning took ~19% of all CPU
+        # time from gloo's I/O threads (perf, 2 receivers on 2 cores). Same result: addition mod
+        # 2**64 does not depend on the order.
+        return int(buf.detach().numpy().view(np.uint64).sum(dtype=np.uint64))
     return int(buf.view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
 
 
@@ -266,6 +273,9 @@ class WeightReceiver:
         self.epoch = -1
         self.pg = None
         self._store = None
+        # Host receive buffers handed out lately, newest last: `_buffer` takes one back once nothing
+        # else refers to its storage. Bounded: between syncs at most this many buffers stay alive.
+        self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=PIPELINE_DEPTH + 2)
 
     def join(self, info: GroupEpoch, timeout_s: float) -> bool:
         """Joins `info`'s epoch; False when the learner re-formed it without us (look again)."""
@@ -297,13 +307,14 @@ class WeightReceiver:
         self.checksums = []
 
         def post(bucket):
-            # A buffer per bucket, not one for the whole model: measured faster on CPU (freed buckets
-            # of the previous sync are recycled by the allocator, one huge block is faulted in anew).
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            # A buffer per bucket, not one for the whole model: measured faster on CPU (one huge block
+            # is faulted in anew at every sync).
+            buf = self._buffer(bucket.nbytes, device)
             return buf, _start_broadcast(self.pg, buf, timeout_s)
 
         # Pipelined like the sender: the next PIPELINE_DEPTH - 1 buckets are already being received
-        # while the loader copies this one's tensors. Buffers are never reused: the loader may keep views.
+        # while the loader copies this one's tensors. A buffer is reused only when the loader kept no
+        # view of it (see `_buffer`).
         posted = collections.deque(post(b) for b in ann.buckets[:PIPELINE_DEPTH])
         for i, bucket in enumerate(ann.buckets):
             buf, work = posted.popleft()
@@ -314,3 +325,35 @@ class WeightReceiver:
             for meta in bucket.tensors:
                 view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
                 yield meta.name, view
+
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A flat uint8 receive buffer of `nbytes`. On the host: the smallest large-enough recent
+        buffer whose storage nothing else refers to (no view the loader kept, no broadcast in flight),
+        else a fresh one. Why: a fresh host buffer is page-faulted in as it is received (the kernel
+        zeroes every page); that cost more per sync than the checksums (perf: 17k faults per receiver
+        for a 400 MB push in 16 MiB buckets, glibc having returned the freed buckets to the OS). CUDA
+        buffers come from the caching allocator, which already recycles them."""
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        best = None
+        for i, b in enumerate(self._recent):
+            if b.numel() >= nbytes and _unshared(b) and (best is None or b.numel() < self._recent[best].numel()):
+                best = i
+        if best is None:
+            base = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            base = self._recent[best]
+            del self._recent[best]
+        self._recent.append(base)
+        return base[:nbytes]
+
+
+def _unshared(base: torch.Tensor) -> bool:
+    """True when `base` holds the only reference to its storage (views and in-flight work hold one each).
+
+    torch has no public storage use count; inductor's CUDA-graph trees use this one. Without it,
+    nothing is ever reused (fresh buffers, as before)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    return use_count(base.untyped_storage()._cdata) == 2  # `base` and the temporary storage object

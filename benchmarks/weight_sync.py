@@ -3,12 +3,17 @@
     python benchmarks/weight_sync.py --out runs/weight_sync.json [--sizes 10,100,500] [--receivers 1,2,3]
 
 For each model size (millions of fp32 parameters, in transformer-like tensors) and receiver count:
-  ours = group epoch already open; announcement planned; FSDP-free gather stand-in (the tensors are
-         already full); pack into `--bucket-mb` buckets; broadcast bucket by bucket; receivers
-         consume named views (what the vLLM worker extension hands to reload_weights);
-  raw  = one ProcessGroupGloo broadcast of a single flat uint8 buffer of the same total size.
-Both use the same gloo process group type on the same sockets, so the ratio isolates our overhead
-(planning, packing copies, per-bucket round trips, views).
+  ours     = group epoch already open; announcement planned; FSDP-free gather stand-in (the tensors
+             are already full); pack into `--bucket-mb` buckets; broadcast bucket by bucket with
+             checksums on both ends; receivers consume named views (what the vLLM worker extension
+             hands to reload_weights);
+  raw      = one ProcessGroupGloo broadcast of a single flat uint8 buffer of the same total size,
+             received into a fresh buffer each time (what a receiver that hands the weights on to a
+             loader must allocate);
+  raw_warm = the same into one receive buffer kept across pushes: no page faults, gloo's wire alone.
+Same process layout and the same gloo process-group type on the same sockets for all three. One
+warm-up round, then `--repeats` rounds whose order rotates; medians, and the spread of the per-round
+ratios.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import statistics
 import time
 from datetime import timedelta
 
@@ -41,20 +47,26 @@ def receiver(rank: int, world: int, port: int, epochs, anns, done):
 
     recv = WeightReceiver(f"r{rank}")
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    raw_pg = None
+    raw_pg, warm = None, None
     while True:
         job = anns.get()
         if job is None:
             return
         kind, payload = job
         if kind == "raw":
-            nbytes, tag = payload
-            if raw_pg is None or raw_pg[0] != world:
-                raw_pg = (world, new_group(dist.PrefixStore(f"raw/{tag}", store), rank, world, "gloo", 300))
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+            nbytes, reuse = payload
+            if raw_pg is None:
+                raw_pg = new_group(dist.PrefixStore("raw", store), rank, world, "gloo", 300)
+            if reuse:  # one buffer kept across pushes: no page faults, the wire alone
+                if warm is None:
+                    warm = torch.empty(nbytes, dtype=torch.uint8)
+                buf = warm
+            else:  # a fresh buffer per push, as a receiver that hands the weights on must have
+                buf = torch.empty(nbytes, dtype=torch.uint8)
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
-            raw_pg[1].broadcast([buf], opts).wait()
+            raw_pg.broadcast([buf], opts).wait()
+            del buf
             done.put(rank)
         elif kind == "join":
             assert recv.join(payload, 120)
@@ -92,38 +104,62 @@ def run_case(millions: int, num_receivers: int, bucket_mb: float, repeats: int) 
         done.get(timeout=120)
     # Receivers joined in rank order r1..rN = members order, so ranks match.
     buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], int(bucket_mb * 2**20))
-    ours, raw = [], []
     raw_pg = None
-    flat = torch.empty(nbytes, dtype=torch.uint8)
-    for rep in range(repeats):
-        ann = WeightAnnouncement(schema_version=SCHEMA_VERSION, version=rep + 1, epoch=sender.epoch, buckets=buckets,
-                                 announced_at=time.time())
+    flat = torch.ones(nbytes, dtype=torch.uint8)  # written: an untouched buffer reads as one shared zero page
+    version = 0
+
+    def push_ours() -> float:
+        nonlocal version
+        version += 1
+        ann = WeightAnnouncement(schema_version=SCHEMA_VERSION, version=version, epoch=sender.epoch,
+                                 buckets=buckets, announced_at=time.time())
         for q in queues:
             q.put(("ours", ann))
         t0 = time.perf_counter()
         sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
         for _ in range(num_receivers):
             done.get(timeout=600)
-        ours.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def push_raw(reuse: bool) -> float:
+        nonlocal raw_pg
         for q in queues:
-            q.put(("raw", (nbytes, 0)))
+            q.put(("raw", (nbytes, reuse)))
         if raw_pg is None:  # built once, after the receivers were told to build theirs
-            raw_pg = new_group(dist.PrefixStore("raw/0", sender.store), 0, world, "gloo", 300)
+            raw_pg = new_group(dist.PrefixStore("raw", sender.store), 0, world, "gloo", 300)
         t0 = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         raw_pg.broadcast([flat], opts).wait()
         for _ in range(num_receivers):
             done.get(timeout=600)
-        raw.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    pushes = {"ours": push_ours, "raw": lambda: push_raw(False), "raw_warm": lambda: push_raw(True)}
+    # One warm-up round (builds the raw group, the warm buffers, the allocators' pools), not
+    # counted; then rounds whose order rotates, so no path always runs first or on another's leftovers.
+    for push in pushes.values():
+        push()
+    times: dict[str, list[float]] = {k: [] for k in pushes}
+    order = list(pushes)
+    for rep in range(repeats):
+        for k in order[rep % 3:] + order[: rep % 3]:
+            times[k].append(pushes[k]())
     for q in queues:
         q.put(None)
     for p in procs:
         p.join(timeout=60)
-    best_ours, best_raw = min(ours), min(raw)
-    return {"params_M": millions, "receivers": num_receivers, "GB": nbytes / 1e9, "buckets": len(buckets),
-            "ours_s": best_ours, "raw_s": best_raw, "ours_GBps": nbytes / 1e9 / best_ours,
-            "raw_GBps": nbytes / 1e9 / best_raw, "ratio": best_raw / best_ours}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row = {"params_M": millions, "receivers": num_receivers, "GB": nbytes / 1e9, "buckets": len(buckets)}
+    for k in pushes:
+        row[f"{k}_s"] = med[k]
+        row[f"{k}_GBps"] = nbytes / 1e9 / med[k]
+        row[f"{k}_all_s"] = times[k]
+    for base, name in (("raw", "ratio"), ("raw_warm", "ratio_warm")):
+        pairs = sorted(b / o for o, b in zip(times["ours"], times[base], strict=True))
+        row[name] = med[base] / med["ours"]  # ours / raw in throughput: raw time over ours
+        row[f"{name}_min"], row[f"{name}_max"] = pairs[0], pairs[-1]  # spread over the rounds
+    return row
 
 
 def main():
@@ -131,19 +167,22 @@ def main():
     ap.add_argument("--sizes", default="10,100,500")
     ap.add_argument("--receivers", default="1,2,3")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="weight_sync.json")
     args = ap.parse_args()
     rows = []
-    print(f"{'params':>7} {'recv':>4} {'GB':>6} {'ours s':>8} {'raw s':>8} {'ours GB/s':>9} {'raw GB/s':>9} {'ours/raw':>8}")
+    print(f"{'params':>7} {'recv':>4} {'GB':>6} {'ours s':>7} {'raw s':>7} {'warm s':>7} "
+          f"{'ours/raw':>8} {'(rounds)':>11} {'ours/warm':>9} {'(rounds)':>11}")
     for m in map(int, args.sizes.split(",")):
         for r in map(int, args.receivers.split(",")):
             row = run_case(m, r, args.bucket_mb, args.repeats)
             rows.append(row)
-            print(f"{m:>6}M {r:>4} {row['GB']:>6.2f} {row['ours_s']:>8.3f} {row['raw_s']:>8.3f} "
-                  f"{row['ours_GBps']:>9.2f} {row['raw_GBps']:>9.2f} {row['ratio']:>8.2f}", flush=True)
+            print(f"{m:>6}M {r:>4} {row['GB']:>6.2f} {row['ours_s']:>7.3f} {row['raw_s']:>7.3f} "
+                  f"{row['raw_warm_s']:>7.3f} {row['ratio']:>8.2f} {row['ratio_min']:>5.2f}-{row['ratio_max']:<5.2f} "
+                  f"{row['ratio_warm']:>9.2f} {row['ratio_warm_min']:>5.2f}-{row['ratio_warm_max']:<5.2f}",
+                  flush=True)
     with open(args.out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "bucket_mb": args.bucket_mb, "rows": rows}, f, indent=2)
+        json.dump({"date": time.strftime("%Y-%m-%d"), "bucket_mb": args.bucket_mb, "repeats": args.repeats, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,87 @@ def test_pack_sends_matching_tensors_from_their_own_storage_and_casts_the_rest_i
         for m in bucket.tensors:
             got = buf[m.offset: m.offset + m.nbytes].view(planned[m.name]).view(m.shape)
             assert torch.equal(got, src[m.name].to(planned[m.name])), m.name
+
+
+def test_bucket_checksum_is_the_wrapping_sum_of_words_on_the_numpy_and_the_torch_path():
+    import struct
+
+    from asyncrl.weight_sync import bucket_checksum
+
+    # Words near 2**63 and 2**64 - 1: the sum wraps several times; signed and unsigned views must agree.
+    words = [2**63 - 1, 2**63, 2**64 - 1, 12345, 2**62 + 7] * 9
+    buf = torch.frombuffer(bytearray(struct.pack(f"<{len(words)}Q", *words)), dtype=torch.uint8)
+    expected = sum(words) % 2**64
+    assert bucket_checksum(buf) == expected  # the host path (numpy)
+    assert int(buf.view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF == expected  # the CUDA path's formula
+    flipped = buf.clone()
+    flipped[17] ^= 1
+    assert bucket_checksum(flipped) != expected
+
+
+def _member_three_syncs(anns, results):
+    """Sync 1 keeps every view (as weights.atomic does until the load), syncs 2 and 3 stream them."""
+    recv = WeightReceiver("g0")
+    while not recv.join(anns.get(timeout=60), timeout_s=20):
+        pass
+    cpu = torch.device("cpu")
+    kept = list(recv.receive(anns.get(timeout=60), cpu, timeout_s=20))
+    kept_sums = {name: t.double().sum().item() for name, t in kept}
+    out = [(recv.checksums, kept_sums)]
+    for _ in range(2):
+        sums = {name: t.double().sum().item() for name, t in recv.receive(anns.get(timeout=60), cpu, timeout_s=20)}
+        out.append((recv.checksums, sums))
+    # Sync 1's views must still hold sync 1's values: a buffer with a live view is never received into.
+    out.append({name: t.double().sum().item() for name, t in kept} == kept_sums)
+    results.put(out)
+
+
+def test_receive_buffer_is_reused_only_when_nothing_else_refers_to_its_storage():
+    cpu = torch.device("cpu")
+    recv = WeightReceiver("g0")
+    a = recv._buffer(1000, cpu)
+    base_a = recv._recent[-1]
+    view = a[64:128].view(torch.float32)
+    del a
+    b = recv._buffer(800, cpu)
+    assert recv._recent[-1] is not base_a, "reused while a view of it was alive"
+    del view
+    c = recv._buffer(800, cpu)
+    assert recv._recent[-1] is base_a and c.data_ptr() == base_a.data_ptr() and c.numel() == 800
+    param = torch.nn.Parameter(torch.empty(0))
+    param.data = c.view(torch.float32)  # a loader that keeps the received storage as its parameter
+    del b, c
+    d = recv._buffer(800, cpu)
+    assert d.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+    assert recv._buffer(5000, cpu).numel() == 5000  # none large enough: a fresh one
+    assert len(recv._recent) <= recv._recent.maxlen
+
+
+def test_receive_reuses_only_buffers_no_view_or_broadcast_still_holds_and_values_stay_right():
+    ctx = mp.get_context("spawn")
+    anns, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_member_three_syncs, args=(anns, results))
+    p.start()
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=20, sync_timeout_s=20)
+    assert sender.open_epoch(["g0"], anns.put, lambda *a, **k: None) == ["g0"]
+    names = [f"t{i}" for i in range(10)]
+    # 10 buckets of one tensor each, more than PIPELINE_DEPTH in flight plus the recent pool.
+    buckets = plan_buckets([(n, torch.float32, (64, 256)) for n in names], bucket_bytes=1 << 20, direct_bytes=1)
+    assert len(buckets) == 10
+    sent = []
+    for version in (1, 2, 3):
+        g = torch.Generator().manual_seed(version)
+        tensors = {n: torch.randn(64, 256, generator=g) for n in names}
+        anns.put(WeightAnnouncement(schema_version=SCHEMA_VERSION, version=version, epoch=sender.epoch,
+                                    buckets=buckets, announced_at=time.time()))
+        sums = sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
+        sent.append((sums, {n: t.double().sum().item() for n, t in tensors.items()}))
+    out = results.get(timeout=60)
+    for (got_sums, got_values), (sums, values) in zip(out[:3], sent, strict=True):
+        assert got_sums == sums
+        assert got_values.keys() == values.keys()
+        for n in names:
+            assert abs(got_values[n] - values[n]) < 1e-6, n
+    assert out[3], "a buffer that a kept view still pointed into was received into again"
+    p.join(timeout=30)
+    assert p.exitcode == 0
