@@ -23,8 +23,9 @@ import os
 import threading
 import time
 
+from redis.exceptions import RedisError
+
 from asyncrl.keys import Keys
-from asyncrl.retry import RETRYABLE
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class AsyncNotifications:
                     if new_last is not None:
                         last = new_last
                         self.bump(*(k for k in kinds if k in self.counts))
-                except RETRYABLE as e:
+                except RedisError as e:  # lost connection (restart) or a bad reply: start over on a new one
                     # Waiters fall back to their periodic checks meanwhile.
                     log.warning("notify stream reader lost Redis (%s); reconnecting in %.2fs", e, backoff)
                     self.connected.clear()
@@ -187,7 +188,7 @@ class NotifyPipe:
                     last = new_last
                     if self.kinds.intersection(kinds):
                         self._wake()
-            except RETRYABLE as e:
+            except RedisError as e:  # lost connection (restart) or a bad reply: start over on a new one
                 log.warning("notify stream reader lost Redis (%s); reconnecting in %.2fs", e, backoff)
                 if client is not None:
                     client.close()
