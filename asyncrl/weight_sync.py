@@ -104,6 +104,10 @@ def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: 
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
+        # gloo runs each collective on one of its worker threads (2 by default) and a receive is
+        # posted only once a thread has picked its broadcast up: as many threads as buckets in
+        # flight. Measured, 100M params to 1 receiver on 2 cores: 0.15-0.17 s vs 0.18-0.20 s a push.
+        opts._threads = PIPELINE_DEPTH
         if os.environ.get("GLOO_SOCKET_IFNAME"):
             opts._devices = [dist.ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"])]
         else:
