@@ -3,7 +3,7 @@
     python benchmarks/async_vs_sync.py                        # the tiny copy task on CPU
     python benchmarks/async_vs_sync.py --preset gpu --model /path/to/Qwen2.5-0.5B-Instruct \
         --data data/gsm8k/train.parquet                       # one GPU (needs vLLM's CUDA build)
-    python benchmarks/async_vs_sync.py --preset gpu-copy --steps 30 --min-gen-s 10 \
+    python benchmarks/async_vs_sync.py --preset gpu-copy --steps 24 --stage-steps 8 --min-gen-s 10 \
         --out runs/bench-gpu-copy                             # one GPU, no weights to download
 
 `gpu-copy`: the copy task on one GPU with a random-init model written here, so nothing is downloaded:
@@ -12,11 +12,14 @@ warm-started on the GPU for 40 supervised steps at lr 1e-3 (sampled copy reward 
 where the CPU presets' tiny model starts too). vLLM's CUDA build in bf16 with CUDA graphs
 (`enforce_eager=false`, 30% of the GPU's memory); the learner on the same GPU in bf16 mixed precision
 (fp32 reductions); weights pushed over gloo through host memory (`weights.backend=gloo`: one GPU cannot
-hold two NCCL ranks). 64 groups of 16 samples a step. Sized for the six runs to finish in about
-8 minutes on an H200, about half of it vLLM's four start-ups; `--min-gen-s 10` shortens the
-generator-alone windows. Needs, besides torch, transformers and vLLM's CUDA build: pyzmq, msgspec,
-redis (redis-py), pyyaml, numpy, safetensors, tokenizers, psutil (uvloop is used when present), and a
-`redis-server` binary on PATH. Without CUDA the preset still runs on vLLM's CPU build when shrunk:
+hold two NCCL ranks). 64 groups of 16 samples a step, learner.lr=1e-4 (checked on CPU with this shape
+at 8 groups of 8: reward 0.46 -> 0.53 over 30 async steps; 3e-4 fell to 0.14 before recovering).
+Meant to finish the six runs in under 8 minutes on an H200, about half of it vLLM's four start-ups;
+with `--steps 24 --min-gen-s 10` alone the stage-alone runs did not fit a 560 s call there (the
+generator made ~24 groups/s, so 24 steps of 64 groups meant ~64 s of generation in each of them):
+`--stage-steps 8` cuts that to ~21 s (not yet run on the GPU). Needs, besides torch, transformers
+and vLLM's CUDA build: pyzmq, msgspec, redis (redis-py), pyyaml, numpy, safetensors, tokenizers,
+psutil (uvloop is used when present), and a `redis-server` binary on PATH. Without CUDA the preset still runs on vLLM's CPU build when shrunk:
 `model.tiny_hidden_size=128 model.tiny_num_layers=2 model.tiny_num_kv_heads=1
 model.tiny_intermediate_size=256 learner.batch_groups=4 generator.n=4 generator.enforce_eager=true`
 (a start-up check of the preset, not a measurement).
@@ -335,6 +338,8 @@ def main() -> int:
     ap.add_argument("--modes", default="async,sync")
     ap.add_argument("--no-stages", action="store_true", help="skip the stage-alone runs")
     ap.add_argument("--min-gen-s", type=float, default=20.0, help="shortest generator-alone window, seconds")
+    ap.add_argument("--stage-steps", type=int, default=0,
+                    help="learner steps of each stage-alone run (0: --steps); the generator alone makes that many batches")
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides for every run")
     args = ap.parse_args()
     out_dir = Path(args.out).resolve()
@@ -364,13 +369,14 @@ def main() -> int:
         results["modes"][mode] = run_mode(mode, base, out_dir, env)
         print(f"{mode}: {results['modes'][mode]['trained_tokens_per_s']:.1f} trained tok/s", flush=True)
     if not args.no_stages:
-        results["stages"] = stages_alone(base, out_dir, env, args.steps, min_gen_s=args.min_gen_s)
+        stage_steps = args.stage_steps or args.steps
+        results["stages"] = stages_alone(base, out_dir, env, stage_steps, min_gen_s=args.min_gen_s)
         final = out_dir / "bench-async" / "hf-final"
         if "async" in results["modes"] and final.exists():
             # The workload drifts as the policy learns (which samples run long, how much a batch pads),
             # so each stage is measured again with the async run's final policy; a run's stage rate
             # lies between the two, and the efficiency uses their mean.
-            results["stages_final"] = stages_alone([*base, f"model.path={final}"], out_dir, env, args.steps,
+            results["stages_final"] = stages_alone([*base, f"model.path={final}"], out_dir, env, stage_steps,
                                                    min_gen_s=args.min_gen_s, name="bench-stages-final")
     summarize(results)
     path = out_dir / "async_vs_sync.json"
