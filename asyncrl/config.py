@@ -305,8 +305,7 @@ class Config:
                 "intermediate_size": m.tiny_intermediate_size or 2 * m.tiny_hidden_size}
 
     def _tiny_shape_ok(self) -> bool:
-        m = self.model
-        heads = m.tiny_num_heads or m.tiny_hidden_size // 64
+        m, heads = self.model, self.tiny_shape()["num_heads"]
         return (m.tiny_hidden_size > 0 and m.tiny_num_layers > 0 and heads > 0 and m.tiny_num_kv_heads > 0
                 and m.tiny_intermediate_size >= 0 and m.tiny_hidden_size % (m.tiny_num_heads or 64) == 0
                 and heads % m.tiny_num_kv_heads == 0)

@@ -121,15 +121,11 @@ _compiled: dict[str, object] = {}
 
 def _fused(name: str, fn, eager, t: torch.Tensor):
     """On CUDA, `fn` under torch.compile: one read of the chunk's logits instead of several passes
-    over fp32 copies of them. Elsewhere (and if compiling fails) the eager equivalent."""
+    over fp32 copies of them. Elsewhere, or with `_compiled[name] = False`, the eager equivalent."""
     if t.device.type != "cuda" or _compiled.get(name) is False:
         return eager
     if name not in _compiled:
-        try:
-            _compiled[name] = torch.compile(fn, dynamic=True)
-        except Exception:  # no working compiler here: the eager path computes the same function
-            _compiled[name] = False
-            return eager
+        _compiled[name] = torch.compile(fn, dynamic=True)
     return _compiled[name]
 
 
@@ -164,24 +160,27 @@ def linear_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_B
     as flat int64 indices into B x T (no device sync); the others are 0. `keep_logits_bytes`: keep
     the logits for the backward instead of recomputing them when all of them fit in this many bytes."""
     chunk_rows = chunk_rows or default_chunk_rows(weight_VH.shape[0])
-    H = hidden_BTH.shape[-1]
+    flat_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     if rows_BT is None:
-        return ChunkedLinearLogprob.apply(hidden_BTH.reshape(-1, H), weight_VH, bias_V, targets_BT, temperature,
-                                          chunk_rows, keep_logits_bytes)
+        return ChunkedLinearLogprob.apply(flat_NH, weight_VH, bias_V, targets_BT, temperature, chunk_rows,
+                                          keep_logits_bytes)
     idx_N = _flat_index(rows_BT)
-    picked = ChunkedLinearLogprob.apply(hidden_BTH.reshape(-1, H).index_select(0, idx_N), weight_VH, bias_V,
-                                        targets_BT.reshape(-1).index_select(0, idx_N), temperature, chunk_rows,
-                                        keep_logits_bytes)
-    return _scatter_rows(picked, idx_N, targets_BT.shape)
+    return _picked_logprobs(flat_NH, idx_N, targets_BT.reshape(-1).index_select(0, idx_N), idx_N, targets_BT.shape,
+                            weight_VH, bias_V, temperature, chunk_rows, keep_logits_bytes)
 
 
 def _flat_index(rows_BT: torch.Tensor) -> torch.Tensor:
     return rows_BT if rows_BT.dtype == torch.long else rows_BT.reshape(-1).nonzero().squeeze(1)
 
 
-def _scatter_rows(picked_N: torch.Tensor, idx_N: torch.Tensor, shape) -> torch.Tensor:
-    out = torch.zeros(shape.numel(), dtype=picked_N.dtype, device=picked_N.device)
-    return out.index_copy(0, idx_N, picked_N).view(shape)
+def _picked_logprobs(flat_NH, src_idx, targets_n, out_idx, shape, weight_VH, bias_V, temperature, chunk_rows,
+                     keep_logits_bytes) -> torch.Tensor:
+    """Log-probs of the rows `src_idx` of `flat_NH` (targets `targets_n`), written at `out_idx` of a
+    zero tensor of `shape`."""
+    picked = ChunkedLinearLogprob.apply(flat_NH.index_select(0, src_idx), weight_VH, bias_V, targets_n, temperature,
+                                        chunk_rows, keep_logits_bytes)
+    out = torch.zeros(shape.numel(), dtype=picked.dtype, device=picked.device)
+    return out.index_copy(0, out_idx, picked).view(shape)
 
 
 def _output_head(model: nn.Module) -> nn.Linear:
@@ -211,10 +210,9 @@ def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, te
     B, L, H = hidden_BLH.shape
     idx_N = _flat_index(rows_BT)
     idx_BL = idx_N + idx_N // (L - 1)
-    picked = ChunkedLinearLogprob.apply(hidden_BLH.reshape(-1, H).index_select(0, idx_BL), head.weight, head.bias,
-                                        input_ids_BL.reshape(-1).index_select(0, idx_BL + 1), temperature,
-                                        chunk_rows or default_chunk_rows(head.weight.shape[0]), keep_logits_bytes)
-    return _scatter_rows(picked, idx_N, torch.Size((B, L - 1)))
+    return _picked_logprobs(hidden_BLH.reshape(-1, H), idx_BL, input_ids_BL.reshape(-1).index_select(0, idx_BL + 1),
+                            idx_N, torch.Size((B, L - 1)), head.weight, head.bias, temperature,
+                            chunk_rows or default_chunk_rows(head.weight.shape[0]), keep_logits_bytes)
 
 
 def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
