@@ -1,9 +1,17 @@
 """Advantage estimators: pure functions on tensors. G = groups, N = samples per group, B = G*N
-sequences, T = completion tokens."""
+sequences, T = completion tokens.
+
+Whitening (REINFORCE++, GAE) is over the whole batch: with data-parallel ranks each holding part of
+it, pass `all_reduce` (an in-place sum over the ranks) and the mean and std are the whole batch's,
+so world size 2 makes the same update as world size 1."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+AllReduce = Callable[[torch.Tensor], object]  # in-place sum over the data-parallel ranks
 
 
 def grpo(rewards_GN: torch.Tensor, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -21,7 +29,8 @@ def rloo(rewards_GN: torch.Tensor) -> torch.Tensor:
 
 
 def reinforce_pp(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None = None,
-                 kl_coef: float = 0.0, gamma: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+                 kl_coef: float = 0.0, gamma: float = 1.0, eps: float = 1e-6,
+                 all_reduce: AllReduce | None = None) -> torch.Tensor:
     """REINFORCE++: token-level return of (terminal reward - kl_coef * per-token KL), whitened over
     the whole batch's valid tokens (the global baseline). Returns advantages per token, [B, T]."""
     mask = mask_BT.to(torch.float32)
@@ -35,17 +44,15 @@ def reinforce_pp(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Te
     for t in range(r_BT.shape[1] - 1, -1, -1):
         running = r_BT[:, t] + gamma * running * mask[:, t]
         ret[:, t] = running
-    valid = ret[mask.bool()]
-    return (ret - valid.mean()) / (valid.std() + eps) * mask
+    return whiten(ret, mask, eps, all_reduce)
 
 
-def reinforce_pp_baseline(rewards_GN: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def reinforce_pp_baseline(rewards_GN: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6,
+                          all_reduce: AllReduce | None = None) -> torch.Tensor:
     """REINFORCE++-baseline: group-mean baseline first, then global whitening over valid tokens."""
     centered_B = (rewards_GN - rewards_GN.mean(dim=1, keepdim=True)).reshape(-1)
     mask = mask_BT.to(torch.float32)
-    adv_BT = centered_B[:, None] * mask
-    valid = adv_BT[mask.bool()]
-    return (adv_BT - valid.mean()) / (valid.std() + eps) * mask
+    return whiten(centered_B[:, None] * mask, mask, eps, all_reduce)
 
 
 def gae(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float = 1.0,
@@ -67,13 +74,27 @@ def gae(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
     return adv, (adv + values) * mask
 
 
-def whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(x - mean) / std over the valid tokens, zero elsewhere (PPO's advantage normalisation)."""
+def whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6,
+           all_reduce: AllReduce | None = None) -> torch.Tensor:
+    """(x - mean) / std over the valid tokens, zero elsewhere (PPO's advantage normalisation).
+
+    std is the unbiased one (torch.std's). Two passes in float64, each summed over all ranks when
+    `all_reduce` is given: (count, sum), then the squared deviations from the mean. Fewer than two
+    valid tokens in all: x * mask."""
     mask = mask_BT.to(torch.float32)
-    valid = x_BT[mask.bool()]
-    if valid.numel() < 2:
+    x = x_BT.to(torch.float64) * mask
+    first = torch.stack([mask.sum(dtype=torch.float64), x.sum()])
+    if all_reduce is not None:
+        all_reduce(first)
+    n, total = first.tolist()
+    if n < 2:
         return x_BT * mask
-    return (x_BT - valid.mean()) / (valid.std() + eps) * mask
+    mean = total / n
+    second = (((x - mean) * mask) ** 2).sum().reshape(1)
+    if all_reduce is not None:
+        all_reduce(second)
+    std = (second.item() / (n - 1)) ** 0.5
+    return (x_BT - mean) / (std + eps) * mask
 
 
 def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,

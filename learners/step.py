@@ -51,8 +51,20 @@ def shaped_rewards(batch: Batch, alg: AlgorithmConfig, max_tokens: int, kl_seq_B
     return r_B
 
 
-def advantages_BT(batch: Batch, rewards_B: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
-    """Group / batch-baseline advantages, B x T; GAE needs the critic's values (`batch_targets`)."""
+def data_parallel_sum() -> adv_fns.AllReduce | None:
+    """An in-place sum over the learner's ranks (whitening's batch moments), None at world size 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.all_reduce
+    return None
+
+
+def advantages_BT(batch: Batch, rewards_B: torch.Tensor, alg: AlgorithmConfig,
+                  all_reduce: adv_fns.AllReduce | None = None) -> torch.Tensor:
+    """Group / batch-baseline advantages, B x T; GAE needs the critic's values (`batch_targets`).
+    Each rank holds whole groups, so group baselines are local; the batch-wide whitening of the
+    REINFORCE++ pair sums its moments with `all_reduce`."""
     assert alg.advantage != "gae", "GAE advantages come from batch_targets(..., values_BT=...)"
     mask = batch.loss_mask_BT
     n = batch.group_size
@@ -63,9 +75,9 @@ def advantages_BT(batch: Batch, rewards_B: torch.Tensor, alg: AlgorithmConfig) -
     if alg.advantage == "rloo":
         return adv_fns.rloo(r_GN).reshape(-1, 1) * mask
     if alg.advantage == "reinforce_pp":
-        return adv_fns.reinforce_pp(rewards_B, mask)
+        return adv_fns.reinforce_pp(rewards_B, mask, all_reduce=all_reduce)
     if alg.advantage == "reinforce_pp_baseline":
-        return adv_fns.reinforce_pp_baseline(r_GN, mask)
+        return adv_fns.reinforce_pp_baseline(r_GN, mask, all_reduce=all_reduce)
     raise AssertionError(alg.advantage)
 
 
@@ -83,8 +95,9 @@ def batch_targets(model: nn.Module, batch: Batch, cfg: Config, ref_logp_BT: torc
     """Proximal log-probs (when needed), shaped rewards, advantages and, for GAE, returns.
 
     GAE runs over completion tokens with the (shaped) reward on each sequence's last token and the
-    critic's `values_BT` of the behaviour batch; advantages are then whitened over the rank's valid
-    tokens (as verl and OpenRLHF do), returns = advantages before whitening + values.
+    critic's `values_BT` of the behaviour batch; advantages are then whitened over the valid tokens of
+    the whole batch across all ranks (as verl and OpenRLHF do), returns = advantages before whitening
+    + values.
     """
     alg = cfg.algorithm
     num_updates = cfg.learner.ppo_epochs * cfg.learner.minibatches
@@ -102,8 +115,8 @@ def batch_targets(model: nn.Module, batch: Batch, cfg: Config, ref_logp_BT: torc
     if alg.advantage == "gae":
         assert values_BT is not None, "advantage=gae needs the critic's values of the batch"
         adv, returns = adv_fns.gae(rewards_B, values_BT, mask, alg.gamma, alg.lam)
-        return Targets(adv_fns.whiten(adv, mask), prox, returns)
-    return Targets(advantages_BT(batch, rewards_B, alg), prox)
+        return Targets(adv_fns.whiten(adv, mask, all_reduce=data_parallel_sum()), prox, returns)
+    return Targets(advantages_BT(batch, rewards_B, alg, data_parallel_sum()), prox)
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:

@@ -82,11 +82,15 @@ def test_every_algorithm_switch_trains(tmp_path, tiny_model, name):
 
 
 @pytest.mark.slow
-def test_world_size_2_makes_the_same_update_as_world_size_1(tmp_path, tiny_model):
+@pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp"])
+def test_world_size_2_makes_the_same_update_as_world_size_1(tmp_path, tiny_model, advantage):
+    """grpo: group baselines, local to each rank's whole groups; reinforce_pp: whitened over the
+    whole batch, so the ranks must sum its moments (asyncrl/advantages.py whiten)."""
     from safetensors.torch import load_file
 
-    cfg1, rows1 = run_learner(tmp_path, tiny_model, "ws1", ["learner.nproc=1", "checkpoint.export_hf=true"])
-    cfg2, rows2 = run_learner(tmp_path, tiny_model, "ws2", ["learner.nproc=2", "checkpoint.export_hf=true"])
+    common = ["checkpoint.export_hf=true", f"algorithm.advantage={advantage}"]
+    cfg1, rows1 = run_learner(tmp_path, tiny_model, "ws1", ["learner.nproc=1", *common])
+    cfg2, rows2 = run_learner(tmp_path, tiny_model, "ws2", ["learner.nproc=2", *common])
     for a, b in zip(rows1, rows2, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * max(1.0, a["grad_norm"])

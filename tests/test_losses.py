@@ -41,6 +41,54 @@ def test_reinforce_pp_baseline():
     assert torch.allclose(adv.reshape(-1), (v - v.mean()) / v.std())
 
 
+def _whiten_worker(rank: int, port: int, q) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        x, mask = _whiten_batch()
+        rows = slice(0, 2) if rank == 0 else slice(2, 5)  # unequal shares, different token counts
+        got = A.whiten(x[rows], mask[rows], eps=0.0, all_reduce=dist.all_reduce)
+        rpp = A.reinforce_pp(x[rows, -1], mask[rows], eps=0.0, all_reduce=dist.all_reduce)
+        q.put((rank, got.tolist(), rpp.tolist()))  # plain lists: a tensor's shared fd dies with the worker
+    finally:
+        dist.destroy_process_group()
+
+
+def _whiten_batch():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 4, generator=g) * 3 + 2
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float32)
+    return x, mask
+
+
+def test_whitening_over_two_ranks_equals_whole_batch_whitening():
+    """Two gloo ranks holding 2 and 3 of 5 sequences: with all_reduce, each rank's whitened share
+    equals the whole batch whitened on one rank (mean 0, unbiased std 1 over all valid tokens);
+    without it, the shares would be whitened apart and differ."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    x, mask = _whiten_batch()
+    whole = A.whiten(x, mask, eps=0.0)
+    valid = whole[mask.bool()]
+    assert abs(float(valid.mean())) < 1e-6 and abs(float(valid.std()) - 1.0) < 1e-6
+    assert torch.allclose(whole, (x - x[mask.bool()].mean()) / x[mask.bool()].std() * mask, atol=1e-6)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_whiten_worker, args=(port, q), nprocs=2, join=True, start_method="spawn")
+    parts = {rank: (torch.tensor(got), torch.tensor(rpp)) for rank, got, rpp in (q.get(timeout=10) for _ in range(2))}
+    got = torch.cat([parts[0][0], parts[1][0]])
+    assert torch.allclose(got, whole, atol=1e-6)
+    assert not torch.allclose(A.whiten(x[:2], mask[:2], eps=0.0), whole[:2], atol=1e-3), "per-rank whitening differs"
+    rpp = torch.cat([parts[0][1], parts[1][1]])
+    assert torch.allclose(rpp, A.reinforce_pp(x[:, -1], mask, eps=0.0), atol=1e-6)
+
+
 def test_gae_by_hand():
     mask = torch.tensor([[1.0, 1.0]])
     values = torch.tensor([[0.5, 0.2]])
