@@ -32,6 +32,27 @@ def cpu_env_defaults(cfg: Config) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
 
+def kill_children() -> list[int]:
+    """SIGKILLs every descendant of this process except multiprocessing's resource tracker (it
+    unlinks shared memory the engine leaves); returns the pids it killed."""
+    from multiprocessing import resource_tracker
+
+    import psutil
+
+    keep = getattr(resource_tracker._resource_tracker, "_pid", None)
+    killed = []
+    for child in psutil.Process().children(recursive=True):
+        if child.pid == keep:
+            continue
+        try:
+            child.kill()
+            killed.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(killed, timeout=5)  # reaps the direct children; a process already gone is fine
+    return [p.pid for p in killed]
+
+
 class VllmEngine:
     def __init__(self, cfg: Config, model_path: str):
         import torch
@@ -174,6 +195,16 @@ class VllmEngine:
                 "checksums": results[0]["checksums"]}
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stops the engine and its processes; never raises. vLLM's teardown races its own engine
+        core's: after a 5 s grace both SIGKILL the worker, and `kill_process_tree` calls psutil's
+        `name()` on a child that may just have exited, which raises NoSuchProcess (not the
+        ProcessLookupError it suppresses). A generator that drained cleanly must still exit 0 (a
+        Slurm scale-down counts a non-zero exit as a failed job), so a failed teardown is logged and
+        what is left of the engine's processes is killed here."""
+        try:
+            self.engine.shutdown()
+        except Exception as e:  # noqa: BLE001 - logged; the processes are killed below
+            log.warning("vLLM engine shutdown raised %r; killing what is left of its processes", e)
+            kill_children()
         # Drop the last reference now: AsyncLLM.__del__ during interpreter exit fails noisily.
         del self.engine

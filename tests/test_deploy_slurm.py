@@ -61,10 +61,20 @@ def _wait(cond, timeout_s, what, diag):
     raise AssertionError(f"waited {timeout_s}s for {what}\n{diag()}")
 
 
-def _diag(slurm, run_dir):
+# vLLM's per-sync chatter: dropped from the focused log so that its last lines are the ones that tell.
+NOISE = ("Attempted to load weight", "RotaryEmbedding", "pause state", "prefix cache", "Reloading")
+
+
+def _diag(slurm, run_dir, focus=None):
+    """All logs' tails, squeue, Slurm's logs; then, last (what a truncated report still shows), the
+    tail of the `focus` generator's log without vLLM's per-sync lines."""
     def show():
         logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
-        return logs + subprocess.run(["squeue"], capture_output=True, text=True).stdout + slurm.logs()[-3000:]
+        out = logs + subprocess.run(["squeue"], capture_output=True, text=True).stdout + slurm.logs()[-3000:]
+        for p in sorted((run_dir / "logs").glob(f"generator-{focus}-*.log")) if focus else []:
+            lines = [line for line in p.read_text().splitlines() if not any(n in line for n in NOISE)]
+            out += f"\n== {p.name}, without vLLM's per-sync lines\n" + "\n".join(lines)[-5000:]
+        return out
     return show
 
 
@@ -111,7 +121,7 @@ def test_slurm_scale_up_down_and_scancel(slurm, tmp_path, tiny_model):
     g2_job = next(job for job, gid, _ in _generator_jobs_all(run_dir) if gid == "g2")
     _wait(lambda: slurm.job_state(g2_job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), 300,
           "g2 to drain and leave", diag)
-    assert slurm.job_state(g2_job) == "COMPLETED", diag()
+    assert slurm.job_state(g2_job) == "COMPLETED", _diag(slurm, run_dir, focus="g2")()
     leaves = [f for _, f in client.xrange(keys.events) if f[b"kind"] == b"generator_leave"]
     assert any(f[b"id"] == b"g2" for f in leaves)
 

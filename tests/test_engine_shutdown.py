@@ -1,0 +1,72 @@
+"""Generator teardown: vLLM's own shutdown can raise (its kill_process_tree races the engine core's
+SIGKILL of the same worker, and psutil raises NoSuchProcess); VllmEngine.shutdown then logs it and
+kills what is left of the engine's processes itself, so a generator that drained cleanly exits 0."""
+
+import multiprocessing as mp
+import time
+
+import psutil
+
+from generators.vllm_engine import VllmEngine, kill_children
+
+
+def _parent_of_a_sleeper():
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(300,))
+    child.start()
+    child.join()
+
+
+def _tree():
+    """A child that has a child of its own, as the engine core has its worker."""
+    proc = mp.get_context("spawn").Process(target=_parent_of_a_sleeper)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc, psutil.Process(proc.pid).children()[0].pid
+
+
+def test_kill_children_kills_the_whole_tree_and_keeps_the_resource_tracker():
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    tracker = resource_tracker._resource_tracker._pid
+    proc, grandchild = _tree()
+    killed = kill_children()
+    assert proc.pid in killed and grandchild in killed
+    _gone(proc.pid)
+    _gone(grandchild)
+    assert tracker is None or psutil.pid_exists(tracker), "the resource tracker must be left alone"
+
+
+def _gone(pid: int) -> None:
+    """Dead (gone or a zombie: the grandchild's parent was killed too) within 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"pid {pid} survived"
+        time.sleep(0.05)
+
+
+class _RacingEngine:
+    """The failure seen in CI: vLLM's shutdown raised from psutil while its processes still ran."""
+
+    def __init__(self):
+        self.proc, self.worker = _tree()
+
+    def shutdown(self):
+        raise psutil.NoSuchProcess(self.worker, name="VLLM::Worker")
+
+
+def test_engine_shutdown_never_raises_and_leaves_no_engine_process(caplog):
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.engine = racing = _RacingEngine()
+    engine.shutdown()
+    assert "vLLM engine shutdown raised" in caplog.text
+    _gone(racing.proc.pid)
+    _gone(racing.worker)
+    assert not hasattr(engine, "engine")
