@@ -231,6 +231,10 @@ class WeightsConfig:
     # auto: nccl when the learner is on CUDA, else gloo. gloo on CUDA: one GPU shared by the learner and
     # vLLM cannot hold two NCCL ranks, so the buckets go through host memory instead.
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # Per-bucket checksums both ends compare after every sync. full: every byte; sampled: one word per
+    # 4 KiB of large buckets (catches lost, stale, shifted or truncated buckets at 1/64 of the reads);
+    # auto: full on nccl (a GPU reduction), sampled on gloo (host CPU the transfer needs).
+    checksum: Literal["auto", "full", "sampled"] = "auto"
 
 
 @dataclass

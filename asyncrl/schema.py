@@ -115,6 +115,7 @@ class WeightAnnouncement(msgspec.Struct, tag="weight_announcement"):
     epoch: int
     buckets: list[Bucket]
     announced_at: float
+    checksum: str = "full"  # how both ends checksum each bucket (asyncrl/weight_sync.py bucket_checksum)
 
 
 class GroupEpoch(msgspec.Struct, tag="group_epoch"):

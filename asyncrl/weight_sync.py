@@ -132,17 +132,47 @@ def _wait(work, timeout_s: float) -> None:
         raise SyncTimeout(f"broadcast did not finish in {timeout_s}s")
 
 
-def bucket_checksum(buf: torch.Tensor) -> int:
-    """A cheap checksum of a flat uint8 bucket, identical on CPU and CUDA: the wrapping sum of its
-    8-byte words mod 2**64, one pass of memory bandwidth (it catches lost, truncated or corrupted
-    buckets, not reorderings). Buckets are padded to whole words by `plan_buckets`."""
+# A sampled checksum reads one 8-byte word per this many: one per 4 KiB page, 1/64 of the cache lines.
+SAMPLE_STRIDE_WORDS = 512
+CHECKSUMS = ("full", "sampled")
+
+
+def checksum_mode(setting: str, backend: str) -> str:
+    """weights.checksum: auto is full on NCCL (a GPU reduction, nearly free) and sampled on gloo,
+    where a full read of every bucket on both ends costs host CPU that the transfer itself needs
+    (measured: 10-25% of a push on 2 cores, docs/benchmarks.md)."""
+    if setting == "auto":
+        return "full" if backend == "nccl" else "sampled"
+    if setting not in CHECKSUMS:
+        raise ValueError(f"unknown weights.checksum {setting!r} (auto, full, sampled)")
+    return setting
+
+
+def bucket_checksum(buf: torch.Tensor, mode: str = "full") -> int:
+    """A cheap checksum of a flat uint8 bucket, identical on CPU and CUDA: the wrapping sum (mod
+    2**64) of its 8-byte words (buckets are padded to whole words by `plan_buckets`).
+
+    full: every word, one pass of memory bandwidth; it catches lost, truncated, stale or corrupted
+    buckets, not reorderings. sampled: a bucket under DIRECT_BYTES (packed small tensors) in full;
+    a larger one by one word per 4 KiB plus its last word. It catches a lost, stale (still holding
+    another version's or bucket's bytes), shifted or truncated bucket, which are the failures of
+    the protocol; not a byte corrupted inside a page, which the transport's own integrity checks
+    are for (TCP's for gloo)."""
+    if mode not in CHECKSUMS:
+        raise ValueError(f"unknown checksum mode {mode!r} (full, sampled)")
+    sampled = mode == "sampled" and buf.numel() >= DIRECT_BYTES
     if buf.device.type == "cpu":
         # numpy, single-threaded: torch's sum wakes its OpenMP pool, whose threads then spin-wait
         # after every bucket; with more processes than cores that spinning took ~19% of all CPU
         # time from gloo's I/O threads (perf, 2 receivers on 2 cores). Same result: addition mod
         # 2**64 does not depend on the order.
-        return int(buf.detach().numpy().view(np.uint64).sum(dtype=np.uint64))
-    return int(buf.view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
+        words = buf.detach().numpy().view(np.uint64)
+        if not sampled:
+            return int(words.sum(dtype=np.uint64))
+        return (int(words[::SAMPLE_STRIDE_WORDS].sum(dtype=np.uint64)) + int(words[-1])) & 0xFFFFFFFFFFFFFFFF
+    words = buf.view(torch.int64)
+    total = words[::SAMPLE_STRIDE_WORDS].sum() + words[-1] if sampled else words.sum()
+    return int(total) & 0xFFFFFFFFFFFFFFFF
 
 
 class WeightSender:
@@ -194,8 +224,10 @@ class WeightSender:
             log.info("weight group epoch=%d members=%s", self.epoch, members)
             return members
 
-    def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor]) -> list[int]:
-        """Broadcasts each flat bucket (already packed) in order; returns their checksums."""
+    def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor],
+                  checksum: str = "full") -> list[int]:
+        """Broadcasts each flat bucket (already packed) in order; returns their checksums (`checksum`
+        is the announcement's mode, see `bucket_checksum`)."""
         assert self.pg is not None, "broadcast without a group"
         # Pipelined: up to PIPELINE_DEPTH buckets are on the wire while the next one is gathered and
         # packed (the zip pulls it only after the previous broadcast was started). Several in flight,
@@ -205,7 +237,7 @@ class WeightSender:
         for bucket, buf in zip(buckets, bucket_tensors, strict=True):
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
             work = _start_broadcast(self.pg, buf, self.sync_timeout_s)
-            sums.append(bucket_checksum(buf))  # read-only while it is being sent
+            sums.append(bucket_checksum(buf, checksum))  # read-only while it is being sent
             in_flight.append((work, buf))  # a direct bucket is a parameter's own storage: keep it alive
             while len(in_flight) >= PIPELINE_DEPTH:  # frees the pool slot pack_buckets fills next
                 _wait(in_flight.popleft()[0], self.sync_timeout_s)
@@ -325,7 +357,7 @@ class WeightReceiver:
             _wait(work, timeout_s)
             if i + PIPELINE_DEPTH < len(ann.buckets):
                 posted.append(post(ann.buckets[i + PIPELINE_DEPTH]))
-            self.checksums.append(bucket_checksum(buf))
+            self.checksums.append(bucket_checksum(buf, ann.checksum))
             for meta in bucket.tensors:
                 view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
                 yield meta.name, view

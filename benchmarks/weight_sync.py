@@ -5,8 +5,10 @@
 For each model size (millions of fp32 parameters, in transformer-like tensors) and receiver count:
   ours     = group epoch already open; announcement planned; FSDP-free gather stand-in (the tensors
              are already full); pack into `--bucket-mb` buckets; broadcast bucket by bucket with
-             checksums on both ends; receivers consume named views (what the vLLM worker extension
-             hands to reload_weights);
+             full checksums on both ends; receivers consume named views (what the vLLM worker
+             extension hands to reload_weights);
+  sampled  = the same with weights.checksum=sampled (gloo's default: one word per 4 KiB of each
+             large bucket);
   raw      = one ProcessGroupGloo broadcast of a single flat uint8 buffer of the same total size,
              received into a fresh buffer each time (what a receiver that hands the weights on to a
              loader must allocate);
@@ -108,15 +110,15 @@ def run_case(millions: int, num_receivers: int, bucket_mb: float, repeats: int) 
     flat = torch.ones(nbytes, dtype=torch.uint8)  # written: an untouched buffer reads as one shared zero page
     version = 0
 
-    def push_ours() -> float:
+    def push_ours(checksum: str) -> float:
         nonlocal version
         version += 1
         ann = WeightAnnouncement(schema_version=SCHEMA_VERSION, version=version, epoch=sender.epoch,
-                                 buckets=buckets, announced_at=time.time())
+                                 buckets=buckets, announced_at=time.time(), checksum=checksum)
         for q in queues:
             q.put(("ours", ann))
         t0 = time.perf_counter()
-        sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
+        sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")), checksum)
         for _ in range(num_receivers):
             done.get(timeout=600)
         return time.perf_counter() - t0
@@ -135,7 +137,8 @@ def run_case(millions: int, num_receivers: int, bucket_mb: float, repeats: int) 
             done.get(timeout=600)
         return time.perf_counter() - t0
 
-    pushes = {"ours": push_ours, "raw": lambda: push_raw(False), "raw_warm": lambda: push_raw(True)}
+    pushes = {"ours": lambda: push_ours("full"), "sampled": lambda: push_ours("sampled"),
+              "raw": lambda: push_raw(False), "raw_warm": lambda: push_raw(True)}
     # One warm-up round (builds the raw group, the warm buffers, the allocators' pools), not
     # counted; then rounds whose order rotates, so no path always runs first or on another's leftovers.
     for push in pushes.values():
@@ -143,7 +146,7 @@ def run_case(millions: int, num_receivers: int, bucket_mb: float, repeats: int) 
     times: dict[str, list[float]] = {k: [] for k in pushes}
     order = list(pushes)
     for rep in range(repeats):
-        for k in order[rep % 3:] + order[: rep % 3]:
+        for k in order[rep % len(order):] + order[: rep % len(order)]:
             times[k].append(pushes[k]())
     for q in queues:
         q.put(None)
@@ -155,10 +158,12 @@ def run_case(millions: int, num_receivers: int, bucket_mb: float, repeats: int) 
         row[f"{k}_s"] = med[k]
         row[f"{k}_GBps"] = nbytes / 1e9 / med[k]
         row[f"{k}_all_s"] = times[k]
-    for base, name in (("raw", "ratio"), ("raw_warm", "ratio_warm")):
-        pairs = sorted(b / o for o, b in zip(times["ours"], times[base], strict=True))
-        row[name] = med[base] / med["ours"]  # ours / raw in throughput: raw time over ours
-        row[f"{name}_min"], row[f"{name}_max"] = pairs[0], pairs[-1]  # spread over the rounds
+    for ours, prefix in (("ours", "ratio"), ("sampled", "sampled_ratio")):
+        for base, suffix in (("raw", ""), ("raw_warm", "_warm")):
+            name = prefix + suffix
+            pairs = sorted(b / o for o, b in zip(times[ours], times[base], strict=True))
+            row[name] = med[base] / med[ours]  # ours / raw in throughput: raw time over ours
+            row[f"{name}_min"], row[f"{name}_max"] = pairs[0], pairs[-1]  # spread over the rounds
     return row
 
 
@@ -171,16 +176,17 @@ def main():
     ap.add_argument("--out", default="weight_sync.json")
     args = ap.parse_args()
     rows = []
-    print(f"{'params':>7} {'recv':>4} {'GB':>6} {'ours s':>7} {'raw s':>7} {'warm s':>7} "
-          f"{'ours/raw':>8} {'(rounds)':>11} {'ours/warm':>9} {'(rounds)':>11}")
+    print(f"{'params':>7} {'recv':>4} {'GB':>6} {'full s':>7} {'smpl s':>7} {'raw s':>7} {'warm s':>7} "
+          f"{'full/raw':>8} {'full/warm':>9} {'(rounds)':>11} {'smpl/raw':>8} {'smpl/warm':>9} {'(rounds)':>11}")
     for m in map(int, args.sizes.split(",")):
         for r in map(int, args.receivers.split(",")):
             row = run_case(m, r, args.bucket_mb, args.repeats)
             rows.append(row)
-            print(f"{m:>6}M {r:>4} {row['GB']:>6.2f} {row['ours_s']:>7.3f} {row['raw_s']:>7.3f} "
-                  f"{row['raw_warm_s']:>7.3f} {row['ratio']:>8.2f} {row['ratio_min']:>5.2f}-{row['ratio_max']:<5.2f} "
-                  f"{row['ratio_warm']:>9.2f} {row['ratio_warm_min']:>5.2f}-{row['ratio_warm_max']:<5.2f}",
-                  flush=True)
+            print(f"{m:>6}M {r:>4} {row['GB']:>6.2f} {row['ours_s']:>7.3f} {row['sampled_s']:>7.3f} "
+                  f"{row['raw_s']:>7.3f} {row['raw_warm_s']:>7.3f} {row['ratio']:>8.2f} {row['ratio_warm']:>9.2f} "
+                  f"{row['ratio_warm_min']:>5.2f}-{row['ratio_warm_max']:<5.2f} {row['sampled_ratio']:>8.2f} "
+                  f"{row['sampled_ratio_warm']:>9.2f} "
+                  f"{row['sampled_ratio_warm_min']:>5.2f}-{row['sampled_ratio_warm_max']:<5.2f}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "bucket_mb": args.bucket_mb, "repeats": args.repeats, "rows": rows}, f, indent=2)
 

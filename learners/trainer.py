@@ -20,7 +20,7 @@ from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
 from asyncrl.store import ack_dropped, ensure_groups, group_lag, set_and_notify
-from asyncrl.weight_sync import SyncTimeout, WeightSender, pack_buckets, plan_buckets, to_dtype
+from asyncrl.weight_sync import SyncTimeout, WeightSender, checksum_mode, pack_buckets, plan_buckets, to_dtype
 from learners.batch import build_batch
 from learners.step import batch_targets, policy_update
 
@@ -522,14 +522,17 @@ class Learner:
             for _ in tensors:  # take part in every all-gather, in the same order as rank 0
                 pass
             return time.perf_counter() - t0
+        checksum = checksum_mode(self.cfg.weights.checksum, self.sender.backend)
         ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=self.version,
-                                        epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time())
+                                        epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time(),
+                                        checksum=checksum)
         # The wake-up lets generators join the broadcast at once instead of at their next poll.
         set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
         # gloo moves host memory: on CUDA the buckets are packed on the CPU (one copy out of the GPU).
         send_dev = self.device if self.sender.backend == "nccl" else torch.device("cpu")
         try:
-            self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev))
+            self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev),
+                                                        checksum)
             self.synced[self.version] = self.last_checksums
             self.sync_s = time.perf_counter() - t0
             self._event("sync", version=self.version, epoch=self.sender.epoch, seconds=f"{self.sync_s:.4f}",

@@ -4,6 +4,7 @@ bucketed transfer with checksums equal on both ends."""
 import multiprocessing as mp
 import time
 
+import pytest
 import torch
 
 from asyncrl.schema import SCHEMA_VERSION, WeightAnnouncement
@@ -151,6 +152,39 @@ def test_bucket_checksum_is_the_wrapping_sum_of_words_on_the_numpy_and_the_torch
     flipped = buf.clone()
     flipped[17] ^= 1
     assert bucket_checksum(flipped) != expected
+
+
+def test_sampled_checksum_reads_one_word_per_page_and_catches_the_protocol_failures():
+    from asyncrl.weight_sync import SAMPLE_STRIDE_WORDS, bucket_checksum, checksum_mode
+
+    torch.manual_seed(0)
+    weights = (torch.randn(4 * 2**20) * 0.02).to(torch.bfloat16)  # an 8 MiB matrix's bytes
+    buf = weights.view(torch.uint8)
+    words = [int(w) % 2**64 for w in buf.view(torch.int64)]
+    want = (sum(words[::SAMPLE_STRIDE_WORDS]) + words[-1]) % 2**64
+    assert bucket_checksum(buf, "sampled") == want  # the host path (numpy)
+    v = buf.view(torch.int64)
+    assert int(v[::SAMPLE_STRIDE_WORDS].sum() + v[-1]) & 0xFFFFFFFFFFFFFFFF == want  # the CUDA path's formula
+    # Stale: the previous version's bytes, one small optimizer step (lr 1e-5) away in bf16.
+    stepped = (weights.float() - 1e-5 * torch.randn_like(weights.float()).sign()).to(torch.bfloat16)
+    assert bucket_checksum(stepped.view(torch.uint8), "sampled") != want
+    truncated = buf.clone()
+    truncated[-4096:] = 0  # the last page never arrived
+    assert bucket_checksum(truncated, "sampled") != want
+    shifted = torch.roll(buf, 64)  # tensors at the wrong offsets
+    assert bucket_checksum(shifted, "sampled") != want
+    # Not caught by design: a byte inside a page (the transport's own checks are for that); full is.
+    flipped = buf.clone()
+    flipped[100] ^= 1
+    assert bucket_checksum(flipped, "sampled") == want and bucket_checksum(flipped) != bucket_checksum(buf)
+    small = buf[: 2**19].clone()  # under DIRECT_BYTES (packed small tensors): summed in full
+    small_flipped = small.clone()
+    small_flipped[100] ^= 1
+    assert bucket_checksum(small, "sampled") == bucket_checksum(small) != bucket_checksum(small_flipped, "sampled")
+    assert (checksum_mode("auto", "gloo"), checksum_mode("auto", "nccl"), checksum_mode("full", "gloo")) == \
+        ("sampled", "full", "full")
+    with pytest.raises(ValueError, match="unknown weights.checksum"):
+        checksum_mode("crc", "gloo")
 
 
 def _member_three_syncs(anns, results):
