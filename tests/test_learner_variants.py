@@ -16,7 +16,7 @@ from asyncrl.store import ensure_groups
 from tests.helpers import fixed_groups
 
 
-def run_learner(tmp_path, tiny_model, name, overrides, steps=3, groups_per_step=4, timeout=600):
+def run_learner(tmp_path, tiny_model, name, overrides, steps=3, groups_per_step=4, timeout=600, groups=None):
     redis = LocalRedis(tmp_path / f"redis-{name}").start()
     try:
         cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}", f"run.name={name}", f"run.max_steps={steps}",
@@ -27,7 +27,7 @@ def run_learner(tmp_path, tiny_model, name, overrides, steps=3, groups_per_step=
         path.write_text(dump_yaml(cfg))
         client, keys = connect(redis.url), Keys(name)
         ensure_groups(client, keys)
-        for g in fixed_groups(steps * groups_per_step * 2):
+        for g in groups or fixed_groups(steps * groups_per_step * 2):
             client.xadd(keys.trajectories, {"data": schema.encode(g)})
         with open(tmp_path / f"{name}.log", "w") as log:
             code = subprocess.run([sys.executable, "-m", "asyncrl", "learner", str(path)], stdout=log,
@@ -61,8 +61,25 @@ VARIANTS = {
 def test_every_algorithm_switch_trains(tmp_path, tiny_model, name):
     from transformers import AutoModelForCausalLM
 
-    cfg, rows = run_learner(tmp_path, tiny_model, name, VARIANTS[name] + ["checkpoint.export_hf=true"])
+    dapo = "algorithm.dynamic_sampling=true" in VARIANTS[name]
+    groups = fixed_groups(24)
+    if dapo:  # every third group has all-equal rewards: dynamic sampling must drop (and count) them
+        for g in groups[1::3]:
+            for smp in g.samples:
+                smp.reward = 1.0
+    flat = [i for i, g in enumerate(groups) if len({smp.reward for smp in g.samples}) == 1]
+    cfg, rows = run_learner(tmp_path, tiny_model, name, VARIANTS[name] + ["checkpoint.export_hf=true"], groups=groups)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["num_groups"] == 4 for r in rows), "every batch is full"
+    if dapo:
+        # 12 varied groups trained: the stream was read at least up to the 12th varied one, and every
+        # flat group read on the way was dropped; at most all the flat ones were.
+        twelfth = [i for i in range(len(groups)) if i not in flat][11]
+        at_least = sum(1 for i in flat if i < twelfth)
+        assert at_least >= 5 and at_least <= rows[-1]["dropped_zero_var"] <= len(flat), (at_least, rows)
+        assert [r["dropped_zero_var"] for r in rows] == sorted(r["dropped_zero_var"] for r in rows)
+    else:
+        assert rows[-1]["dropped_zero_var"] == 0
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert all(r["grad_norm"] > 0 for r in rows), "the update must have a gradient"
     assert all("entropy" in r for r in rows)
