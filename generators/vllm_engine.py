@@ -32,6 +32,9 @@ def cpu_env_defaults(cfg: Config) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
 
+STAGE_POLL_S = 0.002  # how often update_weights asks the workers whether staging is done
+
+
 def kill_children() -> list[int]:
     """SIGKILLs every descendant of this process except multiprocessing's resource tracker (it
     unlinks shared memory the engine leaves); returns the pids it killed."""
@@ -91,6 +94,7 @@ class VllmEngine:
         log.info("vLLM engine up in %.1fs (model=%s, cpu=%s)", time.perf_counter() - t0, model_path, on_cpu)
         self.cfg = cfg
         self.loaded_version: int | None = None  # None: the weights on disk (the generator's version applies)
+        self.weights_backend = "gloo"  # the weight group's, from the last join
         self.num_resubmitted = 0  # weights.mode=abort: partial sequences continued after an update
         self._resumed = asyncio.Event()  # cleared during an abort-mode update
         self._resumed.set()
@@ -161,11 +165,29 @@ class VllmEngine:
         return samples
 
     async def join(self, epoch_frame: bytes, generator_id: str, timeout_s: float) -> bool:
+        from asyncrl import schema
+
+        self.weights_backend = schema.decode(epoch_frame, schema.GroupEpoch).backend
         results = await self.engine.collective_rpc("asyncrl_join", args=(epoch_frame, generator_id, timeout_s))
         return all(results)
 
+    async def _stage(self, announcement_frame: bytes, timeout_s: float) -> None:
+        """Receives the weights into host memory in every worker while the engine goes on generating
+        (generators/worker_extension.py asyncrl_stage); returns once all are done or `timeout_s` has
+        passed (the load then reports the failure)."""
+        await self.engine.collective_rpc("asyncrl_stage", args=(announcement_frame, timeout_s))
+        deadline = time.monotonic() + timeout_s
+        while not all(await self.engine.collective_rpc("asyncrl_staged")) and time.monotonic() < deadline:
+            await asyncio.sleep(STAGE_POLL_S)
+
     async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> dict:
-        """Pauses, receives and loads the weights in every worker, resumes. Returns timings.
+        """Receives and loads the weights in every worker between a pause and a resume. Returns timings:
+        pause_s is the time generation stood still.
+
+        Over gloo with weights.atomic (the buckets are staged in host memory anyway) the transfer runs
+        before the pause, while the engine generates with the old weights; the pause then covers only
+        the load (stage_s: the transfer). Over NCCL, or streaming (atomic=false), the transfer is inside
+        the pause.
 
         keep: in-flight sequences are frozen and continue afterwards under the new weights (their KV
         cache from the old ones); abort: they are aborted and `generate_group` resubmits each with its
@@ -174,6 +196,10 @@ class VllmEngine:
         from asyncrl import schema
 
         version = schema.decode(announcement_frame, schema.WeightAnnouncement).version
+        staged = self.cfg.weights.atomic and self.weights_backend == "gloo"
+        t_stage = time.perf_counter()
+        if staged:
+            await self._stage(announcement_frame, timeout_s)
         t0 = time.perf_counter()
         if mode == "abort":
             self._resumed.clear()
@@ -181,8 +207,11 @@ class VllmEngine:
                                            clear_cache=True)
         t_paused = time.perf_counter()
         try:
-            results = await self.engine.collective_rpc("asyncrl_receive",
-                                                       args=(announcement_frame, timeout_s, self.cfg.weights.atomic))
+            if staged:
+                results = await self.engine.collective_rpc("asyncrl_load_staged", args=(timeout_s,))
+            else:
+                results = await self.engine.collective_rpc(
+                    "asyncrl_receive", args=(announcement_frame, timeout_s, self.cfg.weights.atomic))
             errors = [r["error"] for r in results if r.get("error")]
             if errors:  # nothing was loaded: the engine keeps its previous weights and version
                 raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
@@ -192,7 +221,7 @@ class VllmEngine:
             self._resumed.set()
         t1 = time.perf_counter()
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": max(r["seconds"] for r in results),
-                "checksums": results[0]["checksums"]}
+                "stage_s": t0 - t_stage, "checksums": results[0]["checksums"]}
 
     def shutdown(self) -> None:
         """Stops the engine and its processes; never raises. vLLM's teardown races its own engine

@@ -4,10 +4,16 @@ Receives weights over the project's weight group and loads them with vLLM's in-p
 (`reload_weights(..., is_checkpoint_format=True)` inside `set_current_vllm_config`), which copes with
 kernel-format layouts where a plain `load_weights` does not. Method names are prefixed: vLLM asserts
 that an extension never shadows a worker attribute.
+
+Staged updates (gloo, weights.atomic): `asyncrl_stage` receives every bucket into host memory on a
+thread of the worker while the engine goes on generating; `asyncrl_staged` says whether that thread
+is done; `asyncrl_load_staged` (engine paused) loads what it received. Generation then stops only for
+the load, not for the transfer.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -24,6 +30,50 @@ class AsyncRLWorkerExtension:
         if receiver is None:
             receiver = self._asyncrl_receiver = WeightReceiver(member_id)
         return receiver.join(info, timeout_s)
+
+    def asyncrl_stage(self, announcement_frame: bytes, timeout_s: float) -> bool:
+        """Starts receiving the announced weights on a thread; returns at once."""
+        ann = schema.decode(announcement_frame, schema.WeightAnnouncement)
+        receiver: WeightReceiver = self._asyncrl_receiver
+        staged: dict = {"t0": time.perf_counter()}
+
+        def run():
+            # gloo moves host memory: the buckets stay on the host until the load copies them.
+            try:
+                staged["weights"] = list(receiver.receive(ann, torch.device("cpu"), timeout_s))
+            except Exception as e:  # noqa: BLE001 - reported by asyncrl_load_staged
+                receiver.pg = None
+                staged["error"] = f"{type(e).__name__}: {e}"
+            staged["seconds"] = time.perf_counter() - staged["t0"]
+
+        staged["thread"] = threading.Thread(target=run, name="asyncrl-stage", daemon=True)
+        self._asyncrl_staged = staged
+        staged["thread"].start()
+        return True
+
+    def asyncrl_staged(self) -> bool:
+        """True once the staging thread has finished (received everything, or failed)."""
+        staged = getattr(self, "_asyncrl_staged", None)
+        return staged is None or not staged["thread"].is_alive()
+
+    def asyncrl_load_staged(self, timeout_s: float) -> dict:
+        """Loads what `asyncrl_stage` received (waiting for it up to `timeout_s`)."""
+        from vllm.config import set_current_vllm_config
+
+        staged, self._asyncrl_staged = getattr(self, "_asyncrl_staged", None), None
+        if staged is None:
+            return {"error": "no staged weights to load", "checksums": [], "seconds": 0.0}
+        staged["thread"].join(timeout_s)
+        if staged["thread"].is_alive():
+            self._asyncrl_receiver.pg = None  # the broadcast is stuck: this epoch is unusable
+            return {"error": f"staging did not finish in {timeout_s}s", "checksums": [], "seconds": timeout_s}
+        if "error" in staged:
+            return {"error": staged["error"], "checksums": [], "seconds": staged["seconds"]}
+        t0 = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=iter(staged["weights"]), is_checkpoint_format=True)
+        return {"checksums": self._asyncrl_receiver.checksums, "seconds": staged["seconds"],
+                "load_s": time.perf_counter() - t0}
 
     def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float, atomic: bool = True) -> dict:
         from vllm.config import set_current_vllm_config

@@ -101,6 +101,37 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
         prompt = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
         sampled = await engine.generate_group(prompt, 4, lambda: 1)
 
+        # Staged (gloo, atomic): the transfer runs while the engine generates. The learner starts its
+        # broadcast 1 s after the announcement; groups keep completing meanwhile, and generation stands
+        # still only for the load.
+        done_at, stop = [], asyncio.Event()
+
+        async def keep_generating():
+            while not stop.is_set():
+                await engine.generate_group(prompt, 2, lambda: 1)
+                done_at.append(time.monotonic())
+
+        background = asyncio.create_task(keep_generating())
+        await asyncio.sleep(0.5)
+
+        def late_broadcast():
+            time.sleep(1.0)
+            return sender.broadcast(buckets, pack_buckets(buckets, iter(sd.items()), torch.device("cpu")))
+
+        ann2 = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=2, epoch=sender.epoch,
+                                         buckets=buckets, announced_at=time.time())
+        t_announce = time.monotonic()
+        sent2 = loop.run_in_executor(None, late_broadcast)
+        staged_stats = await engine.update_weights(schema.encode(ann2), "keep", 60)
+        t_loaded = time.monotonic()
+        stop.set()
+        await background
+        assert staged_stats["checksums"] == await sent2
+        assert staged_stats["stage_s"] >= 0.9, staged_stats
+        assert staged_stats["pause_s"] < 0.5 * staged_stats["stage_s"], staged_stats
+        during = [t for t in done_at if t_announce + 0.2 < t < t_loaded - staged_stats["pause_s"]]
+        assert len(during) >= 2, ("no group completed while the weights were in transfer", done_at, staged_stats)
+
         # A learner that dies after the first bucket of the next push: the receive fails, nothing is
         # loaded (weights.atomic), and the engine keeps serving the weights it had, unharmed.
         ctx = mp.get_context("spawn")
