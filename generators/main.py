@@ -182,7 +182,9 @@ class Generator:
                                                  "t": f"{time.time():.3f}"}, maxlen=10_000, approximate=True)
         self.state = prev if prev in ("draining", "generating") else "generating"
         await self.heartbeat()
-        log.info("generator %s now at version %d (pause %.3fs)", self.id, self.version, stats["pause_s"])
+        log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs; transfer before it %.3fs)",
+                 self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0), stats.get("load_s", stats.get("receive_s", 0.0)),
+                 stats.get("stage_s", 0.0))
         return ident
 
     # ---- generation ----------------------------------------------------------------------------
