@@ -33,6 +33,7 @@ def cpu_env_defaults(cfg: Config) -> None:
 
 
 STAGE_POLL_S = 0.002  # how often update_weights asks the workers whether staging is done
+STAGED_JOIN_S = 5.0  # how long the paused load waits for a staging thread that has not finished
 
 
 def kill_children() -> list[int]:
@@ -227,7 +228,8 @@ class VllmEngine:
         t_paused = time.perf_counter()
         try:
             if staged:
-                results = await self.engine.collective_rpc("asyncrl_load_staged", args=(timeout_s,))
+                # Staging has finished or used up its timeout: a short wait while paused, not another timeout.
+                results = await self.engine.collective_rpc("asyncrl_load_staged", args=(STAGED_JOIN_S,))
             else:
                 results = await self.engine.collective_rpc(
                     "asyncrl_receive", args=(announcement_frame, timeout_s, self.cfg.weights.atomic))
