@@ -53,6 +53,7 @@ class Generator:
         self.state = "starting"
         self.inflight: set[asyncio.Task] = set()
         self.stopping = asyncio.Event()
+        self.run_over = False  # the learner finished (the `stop` key), as opposed to a SIGTERM drain
         self.tokens = 0
         self.groups = 0
         self.reward_errors = 0
@@ -293,6 +294,7 @@ class Generator:
     async def stop_watch(self) -> None:
         while not self.stopping.is_set():
             if await self.redis.exists(self.keys.stop):
+                self.run_over = True
                 self.stopping.set()
             await asyncio.sleep(0.5)
 
@@ -309,6 +311,21 @@ class Generator:
             if not frame or not any(m.startswith(f"{self.id}.") for m in schema.decode(frame, schema.GroupEpoch).members):
                 return
             await asyncio.sleep(0.1)
+
+    async def _leave_finished_run(self) -> None:
+        """The learner has finished (it set `stop`) and the buffer leaves with it: nothing generated
+        now will be trained. Leave at once instead of draining: waiting on in-flight groups (up to
+        generator.drain_timeout_s) and on ingest confirmations from a buffer that is gone (up to
+        60 s) outlasted the launcher's grace, and the generator was killed (seen in benchmark runs)."""
+        tasks = list(self.inflight)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        unconfirmed = len(self.outbox)
+        if tasks or unconfirmed:
+            log.info("generator %s: the run is over; leaving %d groups in flight and %d unconfirmed",
+                     self.id, len(tasks), unconfirmed)
 
     def _secure_socket(self, sock) -> bool:
         return security.secure_client_socket(self.cfg, sock)
@@ -330,17 +347,20 @@ class Generator:
             await self.lease_loop()
             if self.auth_failure is not None:
                 raise self.auth_failure
-            # Draining: no new leases; what is in flight finishes and is pushed.
             self.state = "draining"
             await self.heartbeat()
-            if self.inflight:
-                await asyncio.wait(self.inflight, timeout=self.cfg.generator.drain_timeout_s)
-            if self.inflight:  # not done in time: hand their prompts back (generators/drain.py)
-                await hand_back(self)
-            if not await self.outbox.drain(timeout_s=60):
-                log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
-                            self.id, len(self.outbox))
-            await self._leave_weight_group()
+            if self.run_over:
+                await self._leave_finished_run()
+            else:
+                # Draining (SIGTERM: a scale-down): no new leases; what is in flight finishes and is pushed.
+                if self.inflight:
+                    await asyncio.wait(self.inflight, timeout=self.cfg.generator.drain_timeout_s)
+                if self.inflight:  # not done in time: hand their prompts back (generators/drain.py)
+                    await hand_back(self)
+                if not await self.outbox.drain(timeout_s=60):
+                    log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
+                                self.id, len(self.outbox))
+                await self._leave_weight_group()
         finally:
             for h in helpers:
                 h.cancel()

@@ -25,12 +25,12 @@ def _gen_info(client, keys, gid):
     return {k.decode(): v.decode() for k, v in client.hgetall(keys.gen(gid)).items()}
 
 
-def _push_v1(client, keys, sd):
+def _push_v1(client, keys, sd, member="g0.0"):
     """What learner rank 0 does for a late joiner: open an epoch with it, announce, broadcast."""
     sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=120, sync_timeout_s=120)
-    members = sender.open_epoch(["g0.0"], lambda info: client.set(keys.wgroup, schema.encode(info)),
+    members = sender.open_epoch([member], lambda info: client.set(keys.wgroup, schema.encode(info)),
                                 lambda *a, **k: None)
-    assert members == ["g0.0"]
+    assert members == [member]
     buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in sd.items()], 256 * 1024)
     ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=1, epoch=sender.epoch,
                                     buckets=buckets, announced_at=time.time())
@@ -95,6 +95,45 @@ def test_generator_refusal_late_join_and_sigterm_drain(make_cfg, redis_server, t
         for _, fields in client.xrange(keys.trajectories):
             group = schema.decode(fields[b"data"], schema.TrajectoryGroup)
             assert group.generator_id == "g0" and group.min_version() == 1  # every token under the pushed weights
+    finally:
+        procs.close()
+        buffer.stop()
+
+
+@pytest.mark.slow
+def test_generator_leaves_at_once_when_the_run_is_over(make_cfg, redis_server, tmp_path, tiny_model):
+    """The learner set `stop` (the run is over) and the buffer left with it, so the generator holds
+    groups nobody will confirm: it must leave at once (exit 0), not wait up to 60 s for ingest
+    confirmations, which outlasted the launcher's 20 s grace (it was then killed)."""
+    from asyncrl.launcher import GRACE_S
+
+    cfg = make_cfg("run.name=over", "generator.backend=hf", "generator.max_tokens=8",
+                   "generator.max_concurrent_groups=2", "learner.batch_groups=16", "logging.prometheus=false",
+                   redis=redis_server)
+    cfg_path = tmp_path / "over.yaml"
+    cfg_path.write_text(dump_yaml(cfg))
+    keys = Keys(cfg.run.name)
+    client = connect(redis_server.url)
+    client.set(keys.version, 1)
+    sampling.publish(client, keys, cfg.generator)
+    buffer = BufferProcess(cfg, tmp_path).start(client, keys)
+    procs = Procs(tmp_path)
+    try:
+        g1 = procs.spawn("g1", [sys.executable, "-m", "asyncrl", "generator", str(cfg_path), "--id", "g1"])
+        assert wait_for(lambda: _gen_info(client, keys, "g1").get("state") == "waiting_weights", 180, 0.2), \
+            procs.log("g1")[-3000:]
+        _push_v1(client, keys, perturbed_state(tiny_model, 1), member="g1.0")
+        assert wait_for(lambda: client.xlen(keys.trajectories) >= 1, 120, 0.1), procs.log("g1")[-3000:]
+        buffer.kill()  # gone, as at the end of a run: what the generator pushes now stays unconfirmed
+        groups = int(_gen_info(client, keys, "g1")["groups"])
+        assert wait_for(lambda: int(_gen_info(client, keys, "g1")["groups"]) >= groups + 2, 120, 0.1), \
+            procs.log("g1")[-3000:]
+        t0 = time.monotonic()
+        client.set(keys.stop, "1")  # what the learner does when it has finished
+        assert g1.wait(timeout=60) == 0, procs.log("g1")[-3000:]
+        took = time.monotonic() - t0
+        assert took < GRACE_S / 2, (took, procs.log("g1")[-3000:])
+        assert "the run is over" in procs.log("g1") and not client.exists(keys.gen("g1"))
     finally:
         procs.close()
         buffer.stop()
