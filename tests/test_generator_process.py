@@ -38,22 +38,27 @@ def _push_v1(client, keys, sd, member="g0.0"):
     return sender.broadcast(buckets, pack_buckets(buckets, iter(sd.items()), torch.device("cpu")))
 
 
-@pytest.mark.slow
-def test_generator_refusal_late_join_and_sigterm_drain(make_cfg, redis_server, tmp_path, tiny_model):
-    cfg = make_cfg("run.name=gp", "generator.max_tokens=32", "generator.max_concurrent_groups=4",
-                   "learner.batch_groups=16", "generator.drain_timeout_s=0", "logging.prometheus=false",
+def _learner_side(make_cfg, redis_server, tmp_path, name, *overrides):
+    """Config file, Redis state and a real buffer process as a learner at version 1 leaves them (its
+    sampling settings published); the test plays the learner from there."""
+    cfg = make_cfg(f"run.name={name}", "learner.batch_groups=16", "logging.prometheus=false", *overrides,
                    redis=redis_server)
-    cfg_path = tmp_path / "gp.yaml"
+    cfg_path = tmp_path / f"{name}.yaml"
     cfg_path.write_text(dump_yaml(cfg))
     keys = Keys(cfg.run.name)
     client = connect(redis_server.url)
-    # The learner is already at version 1 and has published its sampling settings.
     client.set(keys.version, 1)
+    sampling.publish(client, keys, cfg.generator)
+    return cfg_path, keys, client, BufferProcess(cfg, tmp_path).start(client, keys), Procs(tmp_path)
+
+
+@pytest.mark.slow
+def test_generator_refusal_late_join_and_sigterm_drain(make_cfg, redis_server, tmp_path, tiny_model):
+    cfg_path, keys, client, buffer, procs = _learner_side(
+        make_cfg, redis_server, tmp_path, "gp", "generator.max_tokens=32", "generator.max_concurrent_groups=4",
+        "generator.drain_timeout_s=0")
     client.set(keys.wsync, schema.encode(schema.WeightAnnouncement(
         schema_version=schema.SCHEMA_VERSION, version=1, epoch=0, buckets=[], announced_at=time.time())))
-    sampling.publish(client, keys, cfg.generator)
-    buffer = BufferProcess(cfg, tmp_path).start(client, keys)
-    procs = Procs(tmp_path)
     argv = [sys.executable, "-m", "asyncrl", "generator", str(cfg_path)]
     try:
         # A generator with another temperature refuses to start, with the reason, before loading vLLM.
@@ -107,17 +112,9 @@ def test_generator_leaves_at_once_when_the_run_is_over(make_cfg, redis_server, t
     confirmations, which outlasted the launcher's 20 s grace (it was then killed)."""
     from asyncrl.launcher import GRACE_S
 
-    cfg = make_cfg("run.name=over", "generator.backend=hf", "generator.max_tokens=8",
-                   "generator.max_concurrent_groups=2", "learner.batch_groups=16", "logging.prometheus=false",
-                   redis=redis_server)
-    cfg_path = tmp_path / "over.yaml"
-    cfg_path.write_text(dump_yaml(cfg))
-    keys = Keys(cfg.run.name)
-    client = connect(redis_server.url)
-    client.set(keys.version, 1)
-    sampling.publish(client, keys, cfg.generator)
-    buffer = BufferProcess(cfg, tmp_path).start(client, keys)
-    procs = Procs(tmp_path)
+    cfg_path, keys, client, buffer, procs = _learner_side(
+        make_cfg, redis_server, tmp_path, "over", "generator.backend=hf", "generator.max_tokens=8",
+        "generator.max_concurrent_groups=2")
     try:
         g1 = procs.spawn("g1", [sys.executable, "-m", "asyncrl", "generator", str(cfg_path), "--id", "g1"])
         assert wait_for(lambda: _gen_info(client, keys, "g1").get("state") == "waiting_weights", 180, 0.2), \
