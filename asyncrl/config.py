@@ -232,8 +232,8 @@ class WeightsConfig:
     # vLLM cannot hold two NCCL ranks, so the buckets go through host memory instead.
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     # Per-bucket checksums both ends compare after every sync. full: every byte; sampled: one word per
-    # 4 KiB of large buckets (catches lost, stale, shifted or truncated buckets at 1/64 of the reads);
-    # auto: full on nccl (a GPU reduction), sampled on gloo (host CPU the transfer needs).
+    # 4 KiB of each one-tensor bucket of 1 MiB or more, the rest in full (catches lost, stale, shifted
+    # or truncated buckets at 1/64 of the reads); auto: full on nccl (a GPU reduction), sampled on gloo.
     checksum: Literal["auto", "full", "sampled"] = "auto"
 
 

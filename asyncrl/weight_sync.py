@@ -140,7 +140,7 @@ CHECKSUMS = ("full", "sampled")
 def checksum_mode(setting: str, backend: str) -> str:
     """weights.checksum: auto is full on NCCL (a GPU reduction, nearly free) and sampled on gloo,
     where a full read of every bucket on both ends costs host CPU that the transfer itself needs
-    (measured: 10-25% of a push on 2 cores, docs/benchmarks.md)."""
+    (measured: sampled pushes took 5-38% less time than full ones on 2 cores, docs/benchmarks.md)."""
     if setting == "auto":
         return "full" if backend == "nccl" else "sampled"
     if setting not in CHECKSUMS:
@@ -148,16 +148,23 @@ def checksum_mode(setting: str, backend: str) -> str:
     return setting
 
 
+def bucket_mode(bucket: Bucket, mode: str) -> str:
+    """The checksum one bucket gets: `sampled` applies to a bucket of one tensor (the large matrices,
+    nearly all of a model's bytes); a packed bucket of small tensors (norms, biases, some under one
+    4 KiB stride) is summed in full, so that every tensor in it is read."""
+    return mode if len(bucket.tensors) == 1 else "full"
+
+
 def bucket_checksum(buf: torch.Tensor, mode: str = "full") -> int:
     """A cheap checksum of a flat uint8 bucket, identical on CPU and CUDA: the wrapping sum (mod
     2**64) of its 8-byte words (buckets are padded to whole words by `plan_buckets`).
 
     full: every word, one pass of memory bandwidth; it catches lost, truncated, stale or corrupted
-    buckets, not reorderings. sampled: a bucket under DIRECT_BYTES (packed small tensors) in full;
-    a larger one by one word per 4 KiB plus its last word. It catches a lost, stale (still holding
-    another version's or bucket's bytes), shifted or truncated bucket, which are the failures of
-    the protocol; not a byte corrupted inside a page, which the transport's own integrity checks
-    are for (TCP's for gloo)."""
+    buckets, not reorderings. sampled: a bucket under DIRECT_BYTES in full; a larger one by one word
+    per 4 KiB plus its last word (`bucket_mode` keeps packed buckets on full). It catches a lost,
+    stale (still holding another version's or bucket's bytes), shifted or truncated bucket, which
+    are the failures of the protocol; not a byte corrupted inside a page, which the transport's own
+    integrity checks are for (TCP's for gloo)."""
     if mode not in CHECKSUMS:
         raise ValueError(f"unknown checksum mode {mode!r} (full, sampled)")
     sampled = mode == "sampled" and buf.numel() >= DIRECT_BYTES
@@ -237,7 +244,7 @@ class WeightSender:
         for bucket, buf in zip(buckets, bucket_tensors, strict=True):
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
             work = _start_broadcast(self.pg, buf, self.sync_timeout_s)
-            sums.append(bucket_checksum(buf, checksum))  # read-only while it is being sent
+            sums.append(bucket_checksum(buf, bucket_mode(bucket, checksum)))  # read-only while it is being sent
             in_flight.append((work, buf))  # a direct bucket is a parameter's own storage: keep it alive
             while len(in_flight) >= PIPELINE_DEPTH:  # frees the pool slot pack_buckets fills next
                 _wait(in_flight.popleft()[0], self.sync_timeout_s)
@@ -340,13 +347,16 @@ class WeightReceiver:
         assert self.pg is not None and ann.epoch == self.epoch, "receive outside the announced epoch"
         if self.backend == "gloo":
             device = torch.device("cpu")  # gloo moves host memory; the loader copies to the GPU
-        self.checksums = []
+        # This receive's own group and checksum list: a receive that outlives its sync (a staging
+        # thread given up on) must not post onto a group joined since, nor add to a later list.
+        pg, sums = self.pg, []
+        self.checksums = sums
 
         def post(bucket):
             # A buffer per bucket, not one for the whole model: measured faster on CPU (one huge block
             # is faulted in anew at every sync).
             buf = self._buffer(bucket.nbytes, device)
-            return buf, _start_broadcast(self.pg, buf, timeout_s)
+            return buf, _start_broadcast(pg, buf, timeout_s)
 
         # Pipelined like the sender: the next PIPELINE_DEPTH - 1 buckets are already being received
         # while the loader copies this one's tensors. A buffer is reused only when the loader kept no
@@ -357,7 +367,7 @@ class WeightReceiver:
             _wait(work, timeout_s)
             if i + PIPELINE_DEPTH < len(ann.buckets):
                 posted.append(post(ann.buckets[i + PIPELINE_DEPTH]))
-            self.checksums.append(bucket_checksum(buf, ann.checksum))
+            sums.append(bucket_checksum(buf, bucket_mode(bucket, ann.checksum)))
             for meta in bucket.tensors:
                 view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
                 yield meta.name, view

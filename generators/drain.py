@@ -26,7 +26,7 @@ async def leased_not_pushed(gen) -> list[bytes]:
     return [p["message_id"] for p in pending if p["message_id"] not in in_outbox]
 
 
-async def hand_back(gen) -> int:
+async def hand_back(gen, why: str = "it could not finish in generator.drain_timeout_s") -> int:
     """Cancels the in-flight groups and re-queues their prompts; returns how many were handed back."""
     tasks = list(gen.inflight)
     for t in tasks:
@@ -36,5 +36,5 @@ async def hand_back(gen) -> int:
     num = int(await gen.redis.eval(RECLAIM_REQUEUE, 1, gen.keys.prompts, PROMPT_GROUP, *ids)) if ids else 0
     await gen.redis.xadd(gen.keys.events, {"kind": "hand_back", "id": gen.id, "num": num,
                                            "t": f"{time.time():.3f}"}, maxlen=10_000, approximate=True)
-    log.warning("generator %s handed back %d leased prompts it could not finish in generator.drain_timeout_s", gen.id, num)
+    log.warning("generator %s handed back %d leased prompts: %s", gen.id, num, why)
     return num

@@ -314,18 +314,17 @@ class Generator:
 
     async def _leave_finished_run(self) -> None:
         """The learner has finished (it set `stop`) and the buffer leaves with it: nothing generated
-        now will be trained. Leave at once instead of draining: waiting on in-flight groups (up to
-        generator.drain_timeout_s) and on ingest confirmations from a buffer that is gone (up to
-        60 s) outlasted the launcher's grace, and the generator was killed (seen in benchmark runs)."""
-        tasks = list(self.inflight)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
-        unconfirmed = len(self.outbox)
-        if tasks or unconfirmed:
+        now will be trained. Leave at once instead of draining: in-flight groups are cancelled and
+        their prompts handed back (as a drain does with what it could not finish), unconfirmed ones
+        are left. Draining waited on in-flight groups (up to generator.drain_timeout_s) and on ingest
+        confirmations from a buffer that is gone (up to 60 s), which outlasted the launcher's grace:
+        the generator was killed (seen in benchmark runs)."""
+        in_flight, unconfirmed = len(self.inflight), len(self.outbox)
+        if self.inflight:  # their leases go back at once: a resumed run need not wait for the reclaimer
+            await hand_back(self, "the run is over")
+        if in_flight or unconfirmed:
             log.info("generator %s: the run is over; leaving %d groups in flight and %d unconfirmed",
-                     self.id, len(tasks), unconfirmed)
+                     self.id, in_flight, unconfirmed)
 
     def _secure_socket(self, sock) -> bool:
         return security.secure_client_socket(self.cfg, sock)

@@ -32,26 +32,40 @@ def cpu_env_defaults(cfg: Config) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
 
-STAGE_POLL_S = 0.002  # how often update_weights asks the workers whether staging is done
+STAGE_POLL_S = 0.002  # first interval at which update_weights asks the workers whether staging is done
+STAGE_POLL_MAX_S = 0.02  # the interval doubles up to this
 STAGED_JOIN_S = 5.0  # how long the paused load waits for a staging thread that has not finished
 
 
-def kill_children() -> list[int]:
-    """SIGKILLs every descendant of this process except multiprocessing's resource tracker (it
-    unlinks shared memory the engine leaves); returns the pids it killed."""
+def child_pids() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children()}
+
+
+def kill_children(keep: set[int] = frozenset()) -> list[int]:
+    """SIGKILLs this process's children not in `keep` (those that were there before the engine),
+    with all their descendants, except multiprocessing's resource tracker (it unlinks shared memory
+    the engine leaves); returns the pids it killed."""
     from multiprocessing import resource_tracker
 
     import psutil
 
-    keep = getattr(resource_tracker._resource_tracker, "_pid", None)
-    killed = []
-    for child in psutil.Process().children(recursive=True):
-        if child.pid == keep:
+    keep = set(keep) | {getattr(resource_tracker._resource_tracker, "_pid", None)}
+    victims = []
+    for child in psutil.Process().children():
+        if child.pid in keep:
             continue
         try:
-            child.kill()
-            killed.append(child)
-        except psutil.NoSuchProcess:
+            victims += [*child.children(recursive=True), child]
+        except psutil.Error:  # gone already
+            pass
+    killed = []
+    for proc in victims:
+        try:
+            proc.kill()
+            killed.append(proc)
+        except psutil.Error:  # gone already, or not ours to kill
             pass
     psutil.wait_procs(killed, timeout=5)  # reaps the direct children; a process already gone is fine
     return [p.pid for p in killed]
@@ -90,6 +104,7 @@ class VllmEngine:
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * 2**30)
         t0 = time.perf_counter()
+        self._children_before = child_pids()  # what shutdown must not kill: not the engine's
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.num_workers = g.tensor_parallel_size
         log.info("vLLM engine up in %.1fs (model=%s, cpu=%s)", time.perf_counter() - t0, model_path, on_cpu)
@@ -174,22 +189,33 @@ class VllmEngine:
 
     async def _stage(self, announcement_frame: bytes, timeout_s: float) -> None:
         """Receives the weights into host memory in every worker while the engine goes on generating
-        (generators/worker_extension.py asyncrl_stage); returns once all are done or `timeout_s` has
-        passed (the load then reports the failure)."""
-        await self.engine.collective_rpc("asyncrl_stage", args=(announcement_frame, timeout_s))
-        deadline = time.monotonic() + timeout_s
-        while not all(await self.engine.collective_rpc("asyncrl_staged")) and time.monotonic() < deadline:
-            await asyncio.sleep(STAGE_POLL_S)
+        (generators/worker_extension.py asyncrl_stage). Raises, before anything is paused, when a
+        worker could not start, failed, or is not done within `timeout_s`: the engine then keeps its
+        weights and goes on generating. Polls from STAGE_POLL_S, doubling up to STAGE_POLL_MAX_S
+        (each poll is a utility call through the engine core's loop)."""
+        if not all(await self.engine.collective_rpc("asyncrl_stage", args=(announcement_frame, timeout_s))):
+            raise RuntimeError("weight receive failed in a worker: an earlier staging thread is still running")
+        deadline, wait = time.monotonic() + timeout_s, STAGE_POLL_S
+        while True:
+            states = await self.engine.collective_rpc("asyncrl_staged")
+            if errors := [s["error"] for s in states if s["done"] and s["error"]]:
+                raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
+            if all(s["done"] for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weight receive failed in a worker: staging not done in {timeout_s}s")
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, STAGE_POLL_MAX_S)
 
     async def _pause(self, mode: str) -> None:
         """`AsyncLLM.pause_generation(mode, clear_cache=True)` without its closing fixed 20 ms sleep,
         which vLLM keeps for "a more intuitive ordering of events", not for correctness: it was 20 of
         the ~44 ms each sync paused the tiny model's engine on CPU. What the ordering matters for here
-        is the version stamp (`_stamp`): the last outputs before the pause reach the output queue
-        before the pause's reply, so the output handler (woken first) hands them to their streams,
-        which stamp them, before `loaded_version` moves (only once the load's reply has come back).
-        The two yields below only add margin. Falls back to pause_generation where the engine has no
-        scheduler-level pause."""
+        is the version stamp (`_stamp`): the last outputs before the pause reach the client's output
+        queue before the pause's reply (one socket, in order). Before returning, this waits until the
+        output handler has emptied that queue, then yields twice so that the streams stamp what it
+        handed them; `loaded_version` only moves once the load's reply has come back, later still.
+        Falls back to pause_generation where the engine has no scheduler-level pause."""
         core = getattr(self.engine, "engine_core", None)
         if not hasattr(core, "pause_scheduler_async"):
             await self.engine.pause_generation(mode=mode, clear_cache=True)
@@ -198,6 +224,13 @@ class VllmEngine:
         if renderer is not None:
             await renderer.clear_mm_cache_async()
         await core.pause_scheduler_async(mode=mode, clear_cache=True)
+        # The reply can overtake outputs still queued for (or being chunked by) the output handler:
+        # let it empty its queue, then give the streams their turn.
+        queue = getattr(core, "outputs_queue", None)
+        for _ in range(1000):
+            if queue is None or queue.empty():
+                break
+            await asyncio.sleep(0)
         for _ in range(2):
             await asyncio.sleep(0)
 
@@ -256,6 +289,6 @@ class VllmEngine:
             self.engine.shutdown()
         except Exception as e:  # noqa: BLE001 - logged; the processes are killed below
             log.warning("vLLM engine shutdown raised %r; killing what is left of its processes", e)
-            kill_children()
+            kill_children(getattr(self, "_children_before", set()))
         # Drop the last reference now: AsyncLLM.__del__ during interpreter exit fails noisily.
         del self.engine

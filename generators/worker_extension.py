@@ -32,17 +32,25 @@ class AsyncRLWorkerExtension:
         return receiver.join(info, timeout_s)
 
     def asyncrl_stage(self, announcement_frame: bytes, timeout_s: float) -> bool:
-        """Starts receiving the announced weights on a thread; returns at once."""
+        """Starts receiving the announced weights on a thread; returns at once. False (nothing
+        started) while an earlier staging thread is still alive: two receives must never share the
+        group or the receive buffers."""
+        previous = getattr(self, "_asyncrl_staged", None)
+        if previous is not None and previous["thread"].is_alive():
+            return False
         ann = schema.decode(announcement_frame, schema.WeightAnnouncement)
         receiver: WeightReceiver = self._asyncrl_receiver
         staged: dict = {"t0": time.perf_counter()}
+        pg = receiver.pg
 
         def run():
             # gloo moves host memory: the buckets stay on the host until the load copies them.
             try:
                 staged["weights"] = list(receiver.receive(ann, torch.device("cpu"), timeout_s))
-            except Exception as e:  # noqa: BLE001 - reported by asyncrl_load_staged
-                receiver.pg = None
+                staged["checksums"] = receiver.checksums
+            except Exception as e:  # noqa: BLE001 - reported by asyncrl_staged / asyncrl_load_staged
+                if receiver.pg is pg:  # this epoch's group is broken; a group joined since is not
+                    receiver.pg = None
                 staged["error"] = f"{type(e).__name__}: {e}"
             staged["seconds"] = time.perf_counter() - staged["t0"]
 
@@ -51,10 +59,13 @@ class AsyncRLWorkerExtension:
         staged["thread"].start()
         return True
 
-    def asyncrl_staged(self) -> bool:
-        """True once the staging thread has finished (received everything, or failed)."""
+    def asyncrl_staged(self) -> dict:
+        """The staging thread's state: done (received everything, or failed) and its error if any."""
         staged = getattr(self, "_asyncrl_staged", None)
-        return staged is None or not staged["thread"].is_alive()
+        if staged is None:
+            return {"done": True, "error": "nothing is being staged"}
+        done = not staged["thread"].is_alive()
+        return {"done": done, "error": staged.get("error") if done else None}
 
     def asyncrl_load_staged(self, timeout_s: float) -> dict:
         """Loads what `asyncrl_stage` received (waiting for it up to `timeout_s`)."""
@@ -72,8 +83,7 @@ class AsyncRLWorkerExtension:
         t0 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(staged["weights"]), is_checkpoint_format=True)
-        return {"checksums": self._asyncrl_receiver.checksums, "seconds": staged["seconds"],
-                "load_s": time.perf_counter() - t0}
+        return {"checksums": staged["checksums"], "seconds": staged["seconds"], "load_s": time.perf_counter() - t0}
 
     def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float, atomic: bool = True) -> dict:
         from vllm.config import set_current_vllm_config

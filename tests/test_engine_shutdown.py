@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from generators.vllm_engine import VllmEngine, kill_children
+from generators.vllm_engine import VllmEngine, child_pids, kill_children
 
 
 def _parent_of_a_sleeper():
@@ -31,12 +31,18 @@ def test_kill_children_kills_the_whole_tree_and_keeps_the_resource_tracker():
 
     resource_tracker.ensure_running()
     tracker = resource_tracker._resource_tracker._pid
+    before, before_child = _tree()  # there before the engine: kept
+    keep = child_pids()
     proc, grandchild = _tree()
-    killed = kill_children()
-    assert proc.pid in killed and grandchild in killed
+    killed = kill_children(keep)
+    assert proc.pid in killed and grandchild in killed and before.pid not in killed
     _gone(proc.pid)
     _gone(grandchild)
     assert tracker is None or psutil.pid_exists(tracker), "the resource tracker must be left alone"
+    assert before.is_alive(), "a process that was there before the engine must be left alone"
+    psutil.Process(before_child).kill()
+    before.kill()
+    before.join(5)
 
 
 def _gone(pid: int) -> None:
@@ -64,6 +70,7 @@ class _RacingEngine:
 
 def test_engine_shutdown_never_raises_and_leaves_no_engine_process(caplog):
     engine = VllmEngine.__new__(VllmEngine)
+    engine._children_before = child_pids()
     engine.engine = racing = _RacingEngine()
     engine.shutdown()
     assert "vLLM engine shutdown raised" in caplog.text

@@ -102,7 +102,7 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
         sampled = await engine.generate_group(prompt, 4, lambda: 1)
 
         # Staged (gloo, atomic): the transfer runs while the engine generates. The learner starts its
-        # broadcast 1 s after the announcement; groups keep completing meanwhile, and generation stands
+        # broadcast 2.5 s after the announcement; groups keep completing meanwhile, and generation stands
         # still only for the load.
         done_at, stop = [], asyncio.Event()
 
@@ -115,7 +115,7 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
         await asyncio.sleep(0.5)
 
         def late_broadcast():
-            time.sleep(1.0)
+            time.sleep(2.5)
             return sender.broadcast(buckets, pack_buckets(buckets, iter(sd.items()), torch.device("cpu")))
 
         ann2 = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=2, epoch=sender.epoch,
@@ -127,7 +127,7 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
         stop.set()
         await background
         assert staged_stats["checksums"] == await sent2
-        assert staged_stats["stage_s"] >= 0.9, staged_stats
+        assert staged_stats["stage_s"] >= 2.3, staged_stats
         assert staged_stats["pause_s"] < 0.5 * staged_stats["stage_s"], staged_stats
         during = [t for t in done_at if t_announce + 0.2 < t < t_loaded - staged_stats["pause_s"]]
         assert len(during) >= 2, ("no group completed while the weights were in transfer", done_at, staged_stats)

@@ -181,6 +181,11 @@ def test_sampled_checksum_reads_one_word_per_page_and_catches_the_protocol_failu
     small_flipped = small.clone()
     small_flipped[100] ^= 1
     assert bucket_checksum(small, "sampled") == bucket_checksum(small) != bucket_checksum(small_flipped, "sampled")
+    from asyncrl.weight_sync import bucket_mode
+
+    one, packed = plan_buckets([("w", torch.float32, (2**20,)), ("a", torch.float32, (8,)),
+                                ("b", torch.float32, (8,))], 2**20)
+    assert (bucket_mode(one, "sampled"), bucket_mode(packed, "sampled")) == ("sampled", "full")
     assert (checksum_mode("auto", "gloo"), checksum_mode("auto", "nccl"), checksum_mode("full", "gloo")) == \
         ("sampled", "full", "full")
     with pytest.raises(ValueError, match="unknown weights.checksum"):
