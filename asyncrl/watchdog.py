@@ -167,9 +167,13 @@ class Watchdog:
             if since > timeout and s["depth"] < batch:
                 stalls.append(self._no_trajectory(s, since, states))
         if self.first_traj_at is not None and self.learner_started_at is not None:
-            since = now - max(learner_at or 0.0, self.first_traj_at, self.learner_started_at)
+            in_sync = s["last_sync"] is not None and s["last_sync"] > max(learner_at or 0.0, self.sync_done_at)
+            # Inside a broadcast the clock starts at its announcement, which follows the step's
+            # training: a generator frozen before it joined is then named first (its heartbeat is
+            # older), not the learner that waits on it.
+            since = now - (s["last_sync"] if in_sync else
+                           max(learner_at or 0.0, self.first_traj_at, self.learner_started_at))
             if since > timeout:
-                in_sync = s["last_sync"] is not None and s["last_sync"] > max(learner_at or 0.0, self.sync_done_at)
                 if in_sync:
                     # The announcement precedes the broadcast: a newer one than the last step means
                     # rank 0 is inside that broadcast, waiting for every member to receive it.

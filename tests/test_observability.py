@@ -170,6 +170,35 @@ def test_watchdog_sees_the_learner_stuck_inside_a_weight_broadcast(redis_server)
     assert "inside the weight broadcast" not in stall.reason
 
 
+def test_watchdog_names_the_generator_frozen_before_a_broadcast_not_the_learner_waiting_on_it(redis_server):
+    """The learner stepped at t, its generator froze at t + 0.5 (last heartbeat), then the learner
+    announced the next broadcast at t + 1 and waits for it. At t + timeout + 0.7 the generator's
+    heartbeat is past the timeout and the learner's broadcast is not: the generator is the stall
+    (the learner's clock inside a broadcast starts at the announcement, not at its last step)."""
+    from asyncrl import schema
+
+    cfg = _cfg(redis_server)  # stall_timeout_s=5
+    client, keys = connect(redis_server.url), Keys(cfg.run.name)
+    ensure_groups(client, keys)
+    t = time.time()
+    client.xadd(keys.events, {"kind": "learner_start", "t": f"{t - 30:.3f}"})
+    client.xadd(keys.trajectories, {"data": b"x"}, id=f"{int((t - 10) * 1000)}-0")
+    client.hset(keys.learner, mapping={"step": 1, "version": 1, "updated_at": t})
+    client.set(keys.version, 1)
+    client.hset(keys.gen("g0"), mapping={"id": "g0", "state": "generating", "version": 1, "pid": 4242,
+                                         "updated_at": t + 0.5})
+    client.set(keys.wgroup, schema.encode(schema.GroupEpoch(schema_version=schema.SCHEMA_VERSION, epoch=1,
+                                                            addr="127.0.0.1", port=1, members=["g0.0"],
+                                                            backend="gloo", opened_at=t - 20)))
+    client.set(keys.wsync, schema.encode(schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=2,
+                                                                   epoch=1, buckets=[], announced_at=t + 1)))
+    wd = Watchdog(client, keys, cfg)
+    stalls = {(s.role, s.what) for s in wd.evaluate(t + 5.7)}
+    assert ("generator:g0", "heartbeat") in stalls and ("learner", "no_step") not in stalls, stalls
+    # Still inside that broadcast past the timeout from its announcement: the learner is named too.
+    assert ("learner", "no_step") in {(s.role, s.what) for s in wd.evaluate(t + 6.2)}
+
+
 def test_launcher_watchdog_rides_out_a_redis_outage(tmp_path):
     from asyncrl.redis_server import LocalRedis
     from asyncrl.watchdog import LauncherWatchdog

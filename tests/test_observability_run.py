@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.config import load_config
@@ -34,7 +35,10 @@ def _wait(cond, timeout_s: float, what: str, proc=None, log=None):
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
             pytest.fail(f"the run exited ({proc.returncode}) while waiting for {what}:\n{_tail(log)}")
-        value = cond()
+        try:
+            value = cond()
+        except redis.exceptions.ConnectionError:  # the run's Redis went down with it: the check above says why
+            value = None
         if value:
             return value
         time.sleep(0.5)
@@ -53,7 +57,7 @@ def _rows(run_dir):
 def _client(run_dir):
     """The launcher writes the resolved config (with its redis-server's URL) into the run dir."""
     cfg = load_config(run_dir / "config.yaml")
-    return connect(cfg.buffer.redis_url), Keys(cfg.run.name)
+    return connect(cfg.buffer.redis_url, retry_s=5.0), Keys(cfg.run.name)  # the run's Redis dies with the run
 
 
 def _scrape(url):
