@@ -67,10 +67,14 @@ class AsyncRLWorkerExtension:
         done = not staged["thread"].is_alive()
         return {"done": done, "error": staged.get("error") if done else None}
 
-    def asyncrl_load_staged(self, timeout_s: float) -> dict:
-        """Loads what `asyncrl_stage` received (waiting for it up to `timeout_s`)."""
+    def _asyncrl_load(self, weights) -> None:
         from vllm.config import set_current_vllm_config
 
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+    def asyncrl_load_staged(self, timeout_s: float) -> dict:
+        """Loads what `asyncrl_stage` received (waiting for it up to `timeout_s`)."""
         staged, self._asyncrl_staged = getattr(self, "_asyncrl_staged", None), None
         if staged is None:
             return {"error": "no staged weights to load", "checksums": [], "seconds": 0.0}
@@ -81,13 +85,10 @@ class AsyncRLWorkerExtension:
         if "error" in staged:
             return {"error": staged["error"], "checksums": [], "seconds": staged["seconds"]}
         t0 = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.reload_weights(weights_iterator=iter(staged["weights"]), is_checkpoint_format=True)
+        self._asyncrl_load(iter(staged["weights"]))
         return {"checksums": staged["checksums"], "seconds": staged["seconds"], "load_s": time.perf_counter() - t0}
 
     def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float, atomic: bool = True) -> dict:
-        from vllm.config import set_current_vllm_config
-
         ann = schema.decode(announcement_frame, schema.WeightAnnouncement)
         receiver: WeightReceiver = self._asyncrl_receiver
         t0 = time.perf_counter()
@@ -102,8 +103,7 @@ class AsyncRLWorkerExtension:
             except Exception as e:  # noqa: BLE001 - reported to the generator process, which logs it
                 receiver.pg = None
                 return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        self._asyncrl_load(weights)
         for _ in weights:  # every bucket must be received, or the learner's broadcast would wait
             pass
         return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0}
