@@ -13,7 +13,10 @@ import sys
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+# 2: WeightAnnouncement.checksum, and every weight broadcast ends in an all-reduce that each member
+# joins (asyncrl/weight_sync.py `_all_received`): a member speaking 1 would take the buckets and then
+# hold the learner's sync until its timeout, so it is refused at the announcement instead.
+SCHEMA_VERSION = 2
 
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")

@@ -10,7 +10,9 @@ than a timeout.
 Transfer: small tensors are packed into flat uint8 buckets of at most `bucket_bytes`; a tensor of
 DIRECT_BYTES or more gets a bucket of its own and is sent from its own storage when its dtype and
 device already match (no copy); a WeightAnnouncement with names/dtypes/shapes/offsets goes to
-Redis first, then each bucket is broadcast from rank 0. gloo on CPU, NCCL on CUDA, one code path.
+Redis first, then each bucket is broadcast from rank 0, and the broadcast ends in an all-reduce that
+every member joins after its last bucket (`_all_received`): the learner's broadcast returns only once
+every member has every bucket. gloo on CPU, NCCL on CUDA, one code path.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ALIGN = 64  # byte alignment of every tensor inside a bucket, so views of any dt
 # are in such matrices; the small ones (norms, biases) are still packed together.
 DIRECT_BYTES = 1 << 20
 PIPELINE_DEPTH = 4  # buckets in flight at once, on both ends (the sender's packing pool has as many)
+DECISION_GRACE_S = 5.0  # a member waits this much longer for the epoch's decision than the learner waits for it
 
 
 class SyncTimeout(RuntimeError):
@@ -130,6 +133,24 @@ def _start_broadcast(pg, tensor: torch.Tensor, timeout_s: float):
 def _wait(work, timeout_s: float) -> None:
     if not work.wait(timedelta(seconds=timeout_s)):
         raise SyncTimeout(f"broadcast did not finish in {timeout_s}s")
+
+
+def _all_received(pg, backend: str, timeout_s: float) -> int:
+    """The last step of a broadcast on every end: an all-reduce of one count per member, so that the
+    learner's broadcast returns only once every member has every bucket. Returns the count.
+
+    Why: a gloo send completes once its bytes are in the socket buffer. A model that fits there (the
+    tiny one) had been "broadcast" before a slow member even read the announcement; the learner then
+    announced the next version over it, and that member received the skipped version's bytes under
+    the later version's name, one behind from then on (the elastic test on CI: g2 reported version
+    53 with the checksums of 52). With this, the next announcement can only come after every member
+    has finished the one before."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.timeout = timedelta(seconds=timeout_s)
+    count = torch.ones(1, dtype=torch.int64, device="cuda" if backend == "nccl" else "cpu")
+    _wait(pg.allreduce([count], opts), timeout_s)
+    return int(count.item())
 
 
 # A sampled checksum reads one 8-byte word per this many: one per 4 KiB page, 1/64 of the cache lines.
@@ -250,6 +271,7 @@ class WeightSender:
                 _wait(in_flight.popleft()[0], self.sync_timeout_s)
         while in_flight:
             _wait(in_flight.popleft()[0], self.sync_timeout_s)
+        _all_received(self.pg, self.backend, self.sync_timeout_s)
         return sums
 
     def drop_group(self) -> None:
@@ -292,11 +314,20 @@ def pack_buckets(buckets: list[Bucket], tensors: Iterator[tuple[str, torch.Tenso
             pool[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         buf = pool[slot][: bucket.nbytes]
         packed += 1
-        buf[-8:].zero_()  # padding bytes take part in the checksum
+        end = 0
         for meta, t in parts:
             assert list(t.shape) == meta.shape, f"{meta.name}: shape {list(t.shape)} != planned {meta.shape}"
+            # The alignment gaps and the padding are zeroed: they go on the wire and into the checksum,
+            # and a pool buffer holds whatever was there before. Left as they were, two broadcasts of the
+            # same version had different checksums, and a generator still holding the first one was
+            # reported as a mismatch against the second (CI, the elastic test's re-formed epoch).
+            if meta.offset > end:
+                buf[end: meta.offset].zero_()
             # One pass: copy_ casts and moves while it writes into the bucket.
             buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).copy_(t)
+            end = meta.offset + meta.nbytes
+        if end < bucket.nbytes:
+            buf[end:].zero_()
         yield buf
 
 
@@ -329,7 +360,10 @@ class WeightReceiver:
         self._store = dist.TCPStore(info.addr, info.port, is_master=False, timeout=timedelta(seconds=timeout_s))
         ps = dist.PrefixStore(f"epoch/{info.epoch}", self._store)
         ps.set(f"ready/{self.member_id}", "1")
-        ps.wait(["decision"], timedelta(seconds=timeout_s))
+        # The learner decides once its own join_timeout_s has run out, counted from before it published
+        # the epoch, and a poll later: waiting exactly as long, a member that had joined at once timed
+        # out a few ms before the decision came (seen in the elastic test's re-formed epoch).
+        ps.wait(["decision"], timedelta(seconds=timeout_s + DECISION_GRACE_S))
         if ps.get("decision") != b"go":
             self.pg = None
             return False
@@ -343,13 +377,14 @@ class WeightReceiver:
 
     def receive(self, ann: WeightAnnouncement, device: torch.device, timeout_s: float,
                 ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (name, tensor) views into each received bucket, bucket by bucket."""
+        """Yields (name, tensor) views into each received bucket, bucket by bucket. Drain it: asking
+        past the last tensor runs the closing all-reduce that tells the learner everything arrived."""
         assert self.pg is not None and ann.epoch == self.epoch, "receive outside the announced epoch"
         if self.backend == "gloo":
             device = torch.device("cpu")  # gloo moves host memory; the loader copies to the GPU
         # This receive's own group and checksum list: a receive that outlives its sync (a staging
         # thread given up on) must not post onto a group joined since, nor add to a later list.
-        pg, sums = self.pg, []
+        pg, backend, sums = self.pg, self.backend, []
         self.checksums = sums
 
         def post(bucket):
@@ -371,6 +406,8 @@ class WeightReceiver:
             for meta in bucket.tensors:
                 view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
                 yield meta.name, view
+        # Runs when the consumer asks past the last tensor: every caller drains the iterator.
+        _all_received(pg, backend, timeout_s)
 
     def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A flat uint8 receive buffer of `nbytes`. On the host: the smallest large-enough recent

@@ -119,7 +119,7 @@ class Generator:
             "reward_errors": self.reward_errors, "sync_s_total": self.sync_s_total,
             "last_pause_s": self.last_pause_s, "num_syncs": self.num_syncs, **heartbeat_fields(self.cfg.generator),
             "checksums": ",".join(map(str, self.last_checksums)), "pid": os.getpid(),
-            "host": socket.gethostname(), "updated_at": time.time(),
+            "host": socket.gethostname(), "updated_at": time.time(), "schema_version": schema.SCHEMA_VERSION,
         }
         if (token := security.run_token(self.cfg)) is not None:  # the learner ignores generators without it
             fields["token_proof"] = security.token_proof(token, self.id)

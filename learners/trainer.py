@@ -261,21 +261,30 @@ class Learner:
             if not info or info.get(b"state") in (b"draining",):
                 continue
             gid = info[b"id"].decode()
-            if not self._token_ok(gid, info.get(b"token_proof")):  # deploy.run_token_file (asyncrl/security.py)
+            if not self._admitted(gid, info):
                 continue
             members += [f"{gid}.{r}" for r in range(int(info.get(b"workers", 1)))]
         return sorted(members)
 
-    def _token_ok(self, gid: str, proof) -> bool:
+    def _admitted(self, gid: str, info: dict) -> bool:
+        """A generator joins weight groups only with a valid run token (deploy.run_token_file,
+        asyncrl/security.py) and this learner's schema version: one speaking another (a node left on
+        an older install) would fail every sync it is in, and the learner re-formed epochs around it
+        forever. Each refusal is warned about once per generator and logged as an event."""
         from asyncrl.security import proof_ok, run_token
 
-        if proof_ok(run_token(self.cfg), gid, proof):
+        speaks = int(info.get(b"schema_version", 1))  # heartbeats of version 1 had no such field
+        if speaks != schema.SCHEMA_VERSION:
+            why, kind = f"speaks schema version {speaks}, this learner {schema.SCHEMA_VERSION}", "schema_refused"
+        elif not proof_ok(run_token(self.cfg), gid, info.get(b"token_proof")):
+            why, kind = "presents no valid run token", "auth_refused"
+        else:
             return True
-        refused = self.__dict__.setdefault("_refused_generators", set())  # warn once per generator
-        if gid not in refused:
-            refused.add(gid)
-            log.warning("generator %s presents no valid run token: ignored (not in any weight group)", gid)
-            log_event(self.client, self.keys, "auth_refused", id=gid)
+        refused = self.__dict__.setdefault("_refused_generators", set())
+        if (gid, kind) not in refused:
+            refused.add((gid, kind))
+            log.warning("generator %s %s: ignored (not in any weight group)", gid, why)
+            log_event(self.client, self.keys, kind, id=gid)
         return False
 
     def fleet_needs_sync(self) -> bool:

@@ -67,7 +67,7 @@ def fixed_groups(num, seed=0, n=4):
             samples.append(schema.Sample(completion_ids=schema.pack_i32([rng.randint(3, 97) for _ in range(k)]),
                                          logprobs=schema.pack_f32([-rng.uniform(0.5, 5) for _ in range(k)]),
                                          versions=schema.pack_i32([0] * k), reward=float(rng.random() > 0.5)))
-        out.append(schema.TrajectoryGroup(schema_version=1, group_id=f"p{i}@e0", prompt_id=f"p{i}",
+        out.append(schema.TrajectoryGroup(schema_version=schema.SCHEMA_VERSION, group_id=f"p{i}@e0", prompt_id=f"p{i}",
                                           generator_id="fixed", prompt_ids=schema.pack_i32([13, 14, 15, 83]),
                                           samples=samples, sampling=schema.SamplingInfo(1.0, 1.0, -1),
                                           created_at=time.time()))

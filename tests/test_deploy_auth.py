@@ -166,3 +166,33 @@ def test_keys_cli_writes_private_files(tmp_path):
     public, private = zmq.auth.load_certificate(str(secret))
     assert len(public) == 40 and len(private) == 40
     assert (tmp_path / "k" / "clients" / "client.key").exists()
+
+
+def test_learner_leaves_generators_without_the_token_or_of_another_schema_out_of_weight_groups(
+        tmp_path, make_cfg, redis_server):
+    """The learner's fleet (real Redis heartbeat hashes, the learner's own method): a generator of
+    schema version 1 (no such field; an older install) or without the run token is never made a
+    member, so an epoch is not re-formed around it again and again; each is named once in an event."""
+    from learners.trainer import Learner
+
+    token_file = security.write_secret(tmp_path / "token", "s3cret")
+    cfg = make_cfg("run.name=fleet", f"deploy.run_token_file={token_file}", redis=redis_server)
+    client, keys = connect(redis_server.url), Keys("fleet")
+    token = security.run_token(cfg)
+    heartbeats = {
+        "good": {"schema_version": schema.SCHEMA_VERSION, "token_proof": security.token_proof(token, "good")},
+        "old": {"token_proof": security.token_proof(token, "old")},  # version 1 reported none
+        "newer": {"schema_version": schema.SCHEMA_VERSION + 1, "token_proof": security.token_proof(token, "newer")},
+        "tokenless": {"schema_version": schema.SCHEMA_VERSION},
+        "forged": {"schema_version": schema.SCHEMA_VERSION, "token_proof": security.token_proof("guess", "forged")},
+    }
+    for gid, fields in heartbeats.items():
+        client.hset(keys.gen(gid), mapping={"id": gid, "state": "generating", "workers": 2, **fields})
+    learner = object.__new__(Learner)  # no model: only the fleet bookkeeping is exercised
+    learner.cfg, learner.client, learner.keys = cfg, client, keys
+    for _ in range(3):
+        assert learner.live_members() == ["good.0", "good.1"]
+    events = [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.events)]
+    refused = sorted((e["kind"], e["id"]) for e in events if e["kind"].endswith("_refused"))
+    assert refused == [("auth_refused", "forged"), ("auth_refused", "tokenless"),
+                       ("schema_refused", "newer"), ("schema_refused", "old")]

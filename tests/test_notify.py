@@ -27,7 +27,8 @@ def assert_prompt(latencies: list[float]) -> None:
     assert sorted(latencies)[len(latencies) * 3 // 4] < POLL_PERIOD_S / 2, latencies
 
 
-def _publish_later(url: str, keys: Keys, delay_s: float, key: str, value, kind: str) -> list[float]:
+def _publish_later(url: str, keys: Keys, delay_s: float, key: str, value, kind: str,
+                   ) -> tuple[list[float], threading.Thread]:
     """Publishes from another thread after `delay_s`; the list gets the monotonic time just before."""
     out: list[float] = []
 
@@ -38,17 +39,23 @@ def _publish_later(url: str, keys: Keys, delay_s: float, key: str, value, kind: 
         set_and_notify(client, keys, key, value, kind)
         client.close()
 
-    threading.Thread(target=go, daemon=True).start()
-    return out
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return out, thread
 
 
 async def _wake_latencies(notes: AsyncNotifications, url: str, keys: Keys, num: int) -> list[float]:
     latencies = []
     for i in range(num):
         seen = notes.seen(("weights",))
-        sent = _publish_later(url, keys, 0.05, keys.wsync, f"v{i}", "weights")
+        sent, publisher = _publish_later(url, keys, 0.05, keys.wsync, f"v{i}", "weights")
         assert await notes.wait(("weights",), seen, 5.0), "no wake-up within 5 s"
+        assert sent, "woken before anything was published"
         latencies.append(time.monotonic() - sent[0])
+        # The waiter wakes on the stream entry, before the publisher has read its transaction's reply.
+        # Killing Redis in that window (CI did) made the publisher's retry re-run the transaction after
+        # the restart: a second wake-up that ended the next wait before its publish.
+        await asyncio.to_thread(publisher.join, 10)
     return latencies
 
 
@@ -134,11 +141,11 @@ def test_generator_weights_loop_follows_the_learner_at_once(tmp_path, redis_serv
         await asyncio.sleep(0.2)
         delays = []
         for n in (1, 2, 3):
-            sent = _publish_later(url, keys, 0.05, keys.wgroup, _epoch(n), "weights")
+            sent, _ = _publish_later(url, keys, 0.05, keys.wgroup, _epoch(n), "weights")
             while len(engine.joined) < n:
                 await asyncio.sleep(0.001)
             delays.append(engine.joined[-1] - sent[0])
-            sent = _publish_later(url, keys, 0.05, keys.wsync, _announcement(n, n), "weights")
+            sent, _ = _publish_later(url, keys, 0.05, keys.wsync, _announcement(n, n), "weights")
             while len(engine.updated) < n:
                 await asyncio.sleep(0.001)
             delays.append(engine.updated[-1] - sent[0])

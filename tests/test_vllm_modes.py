@@ -1,6 +1,11 @@
 """Weight-update modes on the CPU build of vLLM with the tiny model, one engine for all three:
 keep (in-flight sequences continue under the new weights), abort (resubmitted with their tokens so
-far), drain (in-flight finish first). Per-token versions show where the switch happened."""
+far), drain (in-flight finish first). Per-token versions show where the switch happened.
+
+The push streams inside the pause (weights.atomic=false, `asyncrl_receive`): the pause then starts
+as soon as the push does, while the samples are surely in flight. With the default staged transfer
+the pause waits for the whole transfer, and on a loaded box (CI) every sample had finished by then,
+so keep had nothing to continue; test_weight_push_vllm covers the staged path."""
 
 import asyncio
 
@@ -16,7 +21,7 @@ def test_vllm_weight_modes_keep_abort_drain(make_cfg, tiny_model):
     from generators.vllm_engine import VllmEngine
 
     max_tokens = 48
-    cfg = make_cfg(f"generator.max_tokens={max_tokens}", "generator.max_model_len=96")
+    cfg = make_cfg(f"generator.max_tokens={max_tokens}", "generator.max_model_len=96", "weights.atomic=false")
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("abcd=", "hg=", "fedc=", "bad=")]
     states = [perturbed_state(tiny_model, seed) for seed in (1, 2, 3)]

@@ -138,6 +138,83 @@ def test_pack_sends_matching_tensors_from_their_own_storage_and_casts_the_rest_i
             assert torch.equal(got, src[m.name].to(planned[m.name])), m.name
 
 
+def _slow_member(member_id, epochs, anns, results, up, delay_s):
+    recv = WeightReceiver(member_id)
+    up.put(member_id)
+    assert recv.join(epochs.get(timeout=60), timeout_s=20)
+    for _ in range(2):
+        ann = anns.get(timeout=60)
+        time.sleep(delay_s)  # busy elsewhere (a loaded box, an engine still loading the last version)
+        it = recv.receive(ann, torch.device("cpu"), timeout_s=20)
+        got = [next(it) for b in ann.buckets for _ in b.tensors]
+        received_at = time.time()  # every bucket is in; the closing all-reduce comes with the next ask
+        assert next(it, None) is None
+        results.put((ann.version, received_at, list(recv.checksums), len(got)))
+
+
+def test_a_broadcast_returns_only_once_every_member_has_received_it():
+    """A model small enough to sit in the socket buffers: without the closing all-reduce the sender's
+    broadcast returned at once, it announced the next version over the first, and a member that looked
+    late received the first version's bytes under the second's name (CI's elastic run)."""
+    ctx = mp.get_context("spawn")
+    epochs, anns, results, up = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    delay_s = 1.5
+    p = ctx.Process(target=_slow_member, args=("g0", epochs, anns, results, up, delay_s))
+    p.start()
+    up.get(timeout=60)
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=30, sync_timeout_s=20)
+    assert sender.open_epoch(["g0"], epochs.put, lambda *a, **k: None) == ["g0"]
+    tensors = _tensors()
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1 << 20)
+    sent = []
+    for version in (1, 2):
+        tensors = {n: t + 1 for n, t in tensors.items()}  # another version, other bytes
+        anns.put(WeightAnnouncement(schema_version=SCHEMA_VERSION, version=version, epoch=sender.epoch,
+                                    buckets=buckets, announced_at=time.time()))
+        sums = sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
+        sent.append((version, time.time(), sums))
+    for version, returned_at, sums in sent:
+        got_version, received_at, got_sums, num = results.get(timeout=60)
+        assert got_version == version and got_sums == sums and num == len(tensors)
+        assert returned_at >= received_at, f"version {version}: the broadcast returned before the member had it"
+    p.join(timeout=30)
+    assert p.exitcode == 0
+
+
+def test_packed_buckets_are_the_same_bytes_whatever_the_pool_held_before(monkeypatch):
+    """Alignment gaps and padding go on the wire and into the checksum: two packings of the same weights
+    must give the same bytes, or a generator still holding an earlier broadcast of a version is
+    reported as a mismatch against a later one (CI saw exactly that after an epoch re-formed). The pool
+    buffers come out of torch.empty; here every uint8 one is dirty, as reused memory can be."""
+    from asyncrl.weight_sync import bucket_checksum
+
+    real_empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(0xAB) if t.dtype == torch.uint8 else t
+
+    g = torch.Generator().manual_seed(2)
+    # Odd sizes: gaps between the packed tensors (ALIGN) and padding at the end of each bucket.
+    src = {"n1": torch.randn(3, generator=g), "n2": torch.randn(5, 7, generator=g).half(),
+           "n3": torch.randn(13, generator=g), "cast": torch.randn(33, 3, generator=g)}
+    buckets = plan_buckets([(n, torch.bfloat16 if n == "cast" else t.dtype, tuple(t.shape)) for n, t in src.items()],
+                           bucket_bytes=1 << 20, direct_bytes=150)
+    assert [len(b.tensors) for b in buckets] == [3, 1]
+    clean = [buf.clone() for buf in pack_buckets(buckets, iter(src.items()), torch.device("cpu"))]
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    dirty = [buf.clone() for buf in pack_buckets(buckets, iter(src.items()), torch.device("cpu"))]
+    monkeypatch.undo()
+    for bucket, a, b in zip(buckets, clean, dirty, strict=True):
+        assert torch.equal(a, b)
+        assert bucket_checksum(a) == bucket_checksum(b)
+        covered = torch.zeros(bucket.nbytes, dtype=torch.bool)
+        for m in bucket.tensors:
+            covered[m.offset: m.offset + m.nbytes] = True
+        assert int(covered.sum()) < bucket.nbytes  # there are gaps or padding to check
+        assert not b[~covered].any()
+
+
 def test_bucket_checksum_is_the_wrapping_sum_of_words_on_the_numpy_and_the_torch_path():
     import struct
 
