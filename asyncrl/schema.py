@@ -13,9 +13,9 @@ import sys
 import msgspec
 import numpy as np
 
-# 2: WeightAnnouncement.checksum, and every weight broadcast ends in an all-reduce that each member
-# joins (asyncrl/weight_sync.py `_all_received`): a member speaking 1 would take the buckets and then
-# hold the learner's sync until its timeout, so it is refused at the announcement instead.
+# 2: every weight broadcast ends in an all-reduce that each member joins (asyncrl/weight_sync.py
+# `_all_received`). Generators report theirs in their heartbeat; the learner leaves generators of
+# another version out of its weight groups (learners/trainer.py `_admitted`).
 SCHEMA_VERSION = 2
 
 I32 = np.dtype("<i4")

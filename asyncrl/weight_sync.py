@@ -130,12 +130,12 @@ def _start_broadcast(pg, tensor: torch.Tensor, timeout_s: float):
     return pg.broadcast([tensor], opts)
 
 
-def _wait(work, timeout_s: float) -> None:
+def _wait(work, timeout_s: float, what: str = "broadcast") -> None:
     if not work.wait(timedelta(seconds=timeout_s)):
-        raise SyncTimeout(f"broadcast did not finish in {timeout_s}s")
+        raise SyncTimeout(f"{what} did not finish in {timeout_s}s")
 
 
-def _all_received(pg, backend: str, timeout_s: float) -> int:
+def _all_received(pg, device: torch.device, timeout_s: float) -> int:
     """The last step of a broadcast on every end: an all-reduce of one count per member, so that the
     learner's broadcast returns only once every member has every bucket. Returns the count.
 
@@ -148,8 +148,8 @@ def _all_received(pg, backend: str, timeout_s: float) -> int:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     opts.timeout = timedelta(seconds=timeout_s)
-    count = torch.ones(1, dtype=torch.int64, device="cuda" if backend == "nccl" else "cpu")
-    _wait(pg.allreduce([count], opts), timeout_s)
+    count = torch.ones(1, dtype=torch.int64, device=device)  # the buckets' device: NCCL's communicator
+    _wait(pg.allreduce([count], opts), timeout_s, "the closing all-reduce (every member has every bucket)")
     return int(count.item())
 
 
@@ -262,7 +262,9 @@ class WeightSender:
         # not one: a receiver that is scheduled late (more processes than cores) then does not stall
         # the whole fleet at every bucket boundary.
         sums, in_flight = [], collections.deque()
+        device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         for bucket, buf in zip(buckets, bucket_tensors, strict=True):
+            device = buf.device
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
             work = _start_broadcast(self.pg, buf, self.sync_timeout_s)
             sums.append(bucket_checksum(buf, bucket_mode(bucket, checksum)))  # read-only while it is being sent
@@ -271,7 +273,7 @@ class WeightSender:
                 _wait(in_flight.popleft()[0], self.sync_timeout_s)
         while in_flight:
             _wait(in_flight.popleft()[0], self.sync_timeout_s)
-        _all_received(self.pg, self.backend, self.sync_timeout_s)
+        _all_received(self.pg, device, self.sync_timeout_s)
         return sums
 
     def drop_group(self) -> None:
@@ -360,9 +362,10 @@ class WeightReceiver:
         self._store = dist.TCPStore(info.addr, info.port, is_master=False, timeout=timedelta(seconds=timeout_s))
         ps = dist.PrefixStore(f"epoch/{info.epoch}", self._store)
         ps.set(f"ready/{self.member_id}", "1")
-        # The learner decides once its own join_timeout_s has run out, counted from before it published
-        # the epoch, and a poll later: waiting exactly as long, a member that had joined at once timed
-        # out a few ms before the decision came (seen in the elastic test's re-formed epoch).
+        # The learner decides a poll after its own join_timeout_s, counted from once its publish has
+        # returned; a member woken by the publish's stream entry starts its clock earlier. Waiting
+        # exactly as long, one that had joined at once timed out a few ms before the decision came
+        # (seen in the elastic test's re-formed epoch).
         ps.wait(["decision"], timedelta(seconds=timeout_s + DECISION_GRACE_S))
         if ps.get("decision") != b"go":
             self.pg = None
@@ -384,7 +387,7 @@ class WeightReceiver:
             device = torch.device("cpu")  # gloo moves host memory; the loader copies to the GPU
         # This receive's own group and checksum list: a receive that outlives its sync (a staging
         # thread given up on) must not post onto a group joined since, nor add to a later list.
-        pg, backend, sums = self.pg, self.backend, []
+        pg, sums = self.pg, []
         self.checksums = sums
 
         def post(bucket):
@@ -407,7 +410,16 @@ class WeightReceiver:
                 view = buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
                 yield meta.name, view
         # Runs when the consumer asks past the last tensor: every caller drains the iterator.
-        _all_received(pg, backend, timeout_s)
+        try:
+            _all_received(pg, device, timeout_s)
+        except (SyncTimeout, RuntimeError) as e:
+            # Every bucket is here and checksummed: keep the weights (the learner counts this sync
+            # as failed and verifies nothing of it). Another member failed the closing all-reduce, so
+            # this epoch's group is broken: the learner re-forms it at its next fleet check.
+            log.warning("member %s: all %d buckets of version %d received, but the closing all-reduce failed"
+                        " (%s); keeping them, leaving the broken group", self.member_id, len(sums), ann.version, e)
+            if self.pg is pg:
+                self.pg = None
 
     def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A flat uint8 receive buffer of `nbytes`. On the host: the smallest large-enough recent

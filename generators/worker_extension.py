@@ -103,7 +103,9 @@ class AsyncRLWorkerExtension:
             except Exception as e:  # noqa: BLE001 - reported to the generator process, which logs it
                 receiver.pg = None
                 return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
-        self._asyncrl_load(weights)
-        for _ in weights:  # every bucket must be received, or the learner's broadcast would wait
-            pass
+        try:
+            self._asyncrl_load(weights)
+        finally:
+            for _ in weights:  # every bucket must be received, or the learner's broadcast would wait
+                pass
         return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0}

@@ -41,6 +41,18 @@ def _bcast_bytes(payload: bytes | None, rank: int, cmd: int = 0) -> tuple[int, b
     return cmd, buf.numpy().tobytes()
 
 
+def _decode_stored(frame: bytes, kind, what: str):
+    """A frame this run left in Redis before a restart; one of another schema version (the run was
+    started by another asyncrl) is a clear error, not a crash in the middle of start-up."""
+    try:
+        return schema.decode(frame, kind)
+    except schema.FrameError as e:
+        if e.reason != "schema_version":
+            raise
+        raise RuntimeError(f"Redis holds {what} of another schema version ({e}): this run was started by "
+                           f"another asyncrl; resume it with that one, or start a new run (another run.name)") from e
+
+
 class Learner:
     def __init__(self, cfg: Config):
         from torch.distributed.device_mesh import init_device_mesh
@@ -213,7 +225,7 @@ class Learner:
         # whose update was never persisted.
         epoch0 = 0
         if (frame := self.client.get(self.keys.wgroup)) is not None:
-            epoch0 = schema.decode(frame, schema.GroupEpoch).epoch
+            epoch0 = _decode_stored(frame, schema.GroupEpoch, "the last weight-group epoch").epoch
         host = cfg.deploy.bind_host
         backend = cfg.weights.backend if cfg.weights.backend != "auto" else ("nccl" if self.cuda else "gloo")
         self.sender = WeightSender(host, cfg.weights.port, backend,
@@ -249,7 +261,8 @@ class Learner:
         entries = reply[0][1] if reply else []
         for entry_id, fields in entries:
             if fields:
-                self.pending.append((entry_id, schema.decode(fields[b"data"], schema.TrajectoryGroup)))
+                self.pending.append((entry_id, _decode_stored(fields[b"data"], schema.TrajectoryGroup,
+                                                              "an unacked trajectory group")))
         if entries:
             log.warning("re-training %d trajectory groups delivered before the restart but never acked", len(entries))
             log_event(self.client, self.keys, "redeliver", num=len(entries))
@@ -273,11 +286,12 @@ class Learner:
         forever. Each refusal is warned about once per generator and logged as an event."""
         from asyncrl.security import proof_ok, run_token
 
-        speaks = int(info.get(b"schema_version", 1))  # heartbeats of version 1 had no such field
-        if speaks != schema.SCHEMA_VERSION:
-            why, kind = f"speaks schema version {speaks}, this learner {schema.SCHEMA_VERSION}", "schema_refused"
-        elif not proof_ok(run_token(self.cfg), gid, info.get(b"token_proof")):
+        speaks = info.get(b"schema_version", b"1")  # heartbeats of version 1 had no such field
+        if not proof_ok(run_token(self.cfg), gid, info.get(b"token_proof")):
             why, kind = "presents no valid run token", "auth_refused"
+        elif speaks != str(schema.SCHEMA_VERSION).encode():  # as bytes: a bad value refuses, never raises
+            why = f"speaks schema version {speaks.decode(errors='replace')!r}, this learner {schema.SCHEMA_VERSION}"
+            kind = "schema_refused"
         else:
             return True
         refused = self.__dict__.setdefault("_refused_generators", set())

@@ -38,3 +38,19 @@ def test_wrong_types_and_oversize_frames():
     with pytest.raises(schema.FrameError) as e:
         schema.decode(b"x" * 100, schema.TrajectoryGroup, max_bytes=10)
     assert e.value.reason == "too_large"
+
+
+def test_a_frame_of_another_schema_version_left_in_redis_stops_a_resume_with_a_clear_error():
+    """learners/trainer.py reads the last epoch and the unacked trajectories back on a resume; frames
+    written by another asyncrl (schema version 1) give an error that says what to do, not a crash."""
+    from learners.trainer import _decode_stored
+
+    group = make_group()
+    assert _decode_stored(schema.encode(group), schema.TrajectoryGroup, "a group") == group
+    group.schema_version = 1
+    with pytest.raises(RuntimeError, match="another schema version .* resume it with that one, or start a new run"):
+        _decode_stored(schema.encode(group), schema.TrajectoryGroup, "an unacked trajectory group")
+    group.schema_version = schema.SCHEMA_VERSION
+    group.samples = []
+    with pytest.raises(schema.FrameError):  # any other bad frame is not a version question
+        _decode_stored(schema.encode(group), schema.TrajectoryGroup, "a group")

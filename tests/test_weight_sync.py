@@ -181,6 +181,75 @@ def test_a_broadcast_returns_only_once_every_member_has_received_it():
     assert p.exitcode == 0
 
 
+def _dies_before_the_closing_all_reduce(member_id, epochs, anns, up):
+    import os
+
+    recv = WeightReceiver(member_id)
+    up.put(member_id)
+    assert recv.join(epochs.get(timeout=60), timeout_s=20)
+    ann = anns.get(timeout=60)
+    it = recv.receive(ann, torch.device("cpu"), timeout_s=20)
+    for _ in range(sum(len(b.tensors) for b in ann.buckets)):
+        next(it)
+    os._exit(9)  # every bucket in, gone before the all-reduce
+
+
+def _keeps_a_complete_version(member_id, epochs, anns, results, up):
+    recv = WeightReceiver(member_id)
+    up.put(member_id)
+    assert recv.join(epochs.get(timeout=60), timeout_s=20)
+    ann = anns.get(timeout=60)
+    got = {name: t.float().sum().item() for name, t in recv.receive(ann, torch.device("cpu"), timeout_s=20)}
+    results.put((got, list(recv.checksums), recv.pg is None))
+
+
+def test_a_member_gone_before_the_closing_all_reduce_fails_the_sync_but_the_others_keep_the_weights():
+    """Every bucket reached both members, then one died: the learner's sync fails (it cannot know
+    that everyone has the version), while the survivor keeps the complete, checksummed weights
+    instead of dropping them, and leaves the broken group for the next epoch."""
+    from asyncrl.weight_sync import SyncTimeout
+
+    ctx = mp.get_context("spawn")
+    epochs, anns, results, up = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()], ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_keeps_a_complete_version, args=("g0", epochs[0], anns[0], results, up)),
+             ctx.Process(target=_dies_before_the_closing_all_reduce, args=("g1", epochs[1], anns[1], up))]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        up.get(timeout=60)
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=30, sync_timeout_s=10)
+
+    def publish(info):
+        for q in epochs:
+            q.put(info)
+
+    assert sender.open_epoch(["g0", "g1"], publish, lambda *a, **k: None) == ["g0", "g1"]
+    tensors = _tensors()
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1 << 20)
+    for q in anns:
+        q.put(WeightAnnouncement(schema_version=SCHEMA_VERSION, version=1, epoch=sender.epoch, buckets=buckets,
+                                 announced_at=time.time()))
+    t0 = time.monotonic()
+    with pytest.raises((SyncTimeout, RuntimeError)):
+        sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
+    assert time.monotonic() - t0 < 10 + 5
+    got, sums, left_group = results.get(timeout=60)
+    assert left_group
+    assert sums == [bucket_checksum_of(b, tensors) for b in buckets]
+    for name, t in tensors.items():
+        assert abs(got[name] - t.float().sum().item()) < 1e-3
+    procs[0].join(timeout=30)
+    procs[1].join(timeout=30)
+    assert (procs[0].exitcode, procs[1].exitcode) == (0, 9)
+
+
+def bucket_checksum_of(bucket, tensors) -> int:
+    from asyncrl.weight_sync import bucket_checksum
+
+    (buf,) = pack_buckets([bucket], iter((m.name, tensors[m.name]) for m in bucket.tensors), torch.device("cpu"))
+    return bucket_checksum(buf)
+
+
 def test_packed_buckets_are_the_same_bytes_whatever_the_pool_held_before(monkeypatch):
     """Alignment gaps and padding go on the wire and into the checksum: two packings of the same weights
     must give the same bytes, or a generator still holding an earlier broadcast of a version is
