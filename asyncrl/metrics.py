@@ -210,7 +210,9 @@ class LearnerObservability:
         row["dropped_frac"] = dropped / max(dropped + self.groups_trained, 1)
         row.setdefault("masked_frac", 0.0)  # the decoupled-PPO loss masks no token
         row.update(fleet_metrics(self.client, self.keys))
-        self.logger.log(int(row["step"]), row)
+        # /metrics and the lag history first, the files last: whoever has read a step's jsonl row then
+        # finds that step everywhere else too (a scrape between the two read the step before: CI's
+        # observed-run test).
         if self.exporter is not None:
             self.exporter.update(row)
             self.exporter.observe_lags(row.get("lag_hist", {}))
@@ -220,5 +222,6 @@ class LearnerObservability:
         pipe.lpush(self.keys.lag_history, entry)
         pipe.ltrim(self.keys.lag_history, 0, max(self.cfg.logging.lag_history, 1) - 1)
         pipe.execute()
+        self.logger.log(int(row["step"]), row)
         if row["step"] >= self.cfg.run.max_steps:
             self.logger.close()  # flush wandb / TensorBoard while the process is still healthy
