@@ -27,6 +27,18 @@ def cpus_allowed(pid: int) -> set[int]:
     return set(parse_cpus(line.split(":", 1)[1].strip()))
 
 
+def thread_cpus(pid: int) -> list[set[int]]:
+    """The affinity of each of a process's threads that is still alive once its turn comes (a
+    short-lived thread may end between the listing and the read: CI saw one)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.append(cpus_allowed(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
 def environ(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         items = [i.decode() for i in f.read().split(b"\0") if i]
@@ -182,7 +194,8 @@ def test_a_pinned_run_keeps_vllm_and_torchrun_on_their_cpus(tmp_path, tiny_model
         assert len(by_role["learner"]) >= 2 and by_role["buffer"] and by_role["redis-server"], by_role
         for pid in by_role["generator"] + by_role["learner"]:  # threads too, not only the main thread
             want = gen_cpu if pid in by_role["generator"] else learn_cpu
-            assert all(cpus_allowed(int(t)) == {want} for t in os.listdir(f"/proc/{pid}/task")), seen[pid][0]
+            threads = thread_cpus(pid)
+            assert threads and all(cpus == {want} for cpus in threads), seen[pid][0]
         ranks = [pid for pid in by_role["learner"] if "RANK" in seen[pid][2]]
         assert ranks and all(seen[pid][2]["OMP_NUM_THREADS"] == "1" for pid in ranks)  # torch threads = CPUs
         # vLLM's worker is forked (its /proc environ predates the binding): its own log line says what it bound.
