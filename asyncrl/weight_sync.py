@@ -135,9 +135,9 @@ def _wait(work, timeout_s: float, what: str = "broadcast") -> None:
         raise SyncTimeout(f"{what} did not finish in {timeout_s}s")
 
 
-def _all_received(pg, device: torch.device, timeout_s: float) -> int:
-    """The last step of a broadcast on every end: an all-reduce of one count per member, so that the
-    learner's broadcast returns only once every member has every bucket. Returns the count.
+def _all_received(pg, device: torch.device, timeout_s: float) -> None:
+    """The last step of a broadcast on every end: an all-reduce of one element, so that the
+    learner's broadcast returns only once every member has every bucket.
 
     Why: a gloo send completes once its bytes are in the socket buffer. A model that fits there (the
     tiny one) had been "broadcast" before a slow member even read the announcement; the learner then
@@ -148,9 +148,8 @@ def _all_received(pg, device: torch.device, timeout_s: float) -> int:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     opts.timeout = timedelta(seconds=timeout_s)
-    count = torch.ones(1, dtype=torch.int64, device=device)  # the buckets' device: NCCL's communicator
-    _wait(pg.allreduce([count], opts), timeout_s, "the closing all-reduce (every member has every bucket)")
-    return int(count.item())
+    done = torch.ones(1, dtype=torch.int64, device=device)  # the buckets' device: NCCL's communicator
+    _wait(pg.allreduce([done], opts), timeout_s, "the closing all-reduce (every member has every bucket)")
 
 
 # A sampled checksum reads one 8-byte word per this many: one per 4 KiB page, 1/64 of the cache lines.
