@@ -174,9 +174,15 @@ class LearnerConfig:
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     lr: float = 5e-4
     weight_decay: float = 0.0
-    batch_groups: int = 8  # prompt groups per optimizer step
-    ppo_epochs: int = 1
+    batch_groups: int = 8  # prompt groups a learner step consumes
+    ppo_epochs: int = 1  # passes over the step's groups
+    # Disjoint mini-batches of whole groups per epoch, one optimizer step each (reshuffled every epoch).
     minibatches: int = 1
+    # Tokens (prompt + completion) one micro-batch may hold on one rank; gradients accumulate over the
+    # micro-batches of a mini-batch. 0: chosen from the model size and device memory (learners/packing.py).
+    micro_batch_tokens: int = 0
+    # A micro-batch's sequences in one row, attention kept inside each sequence (no FLOPs on padding).
+    packing: bool = True
     max_grad_norm: float = 1.0
     poll_s: float = 0.5  # how long rank 0 blocks on Redis before re-checking membership
     lora: LoraConfig = field(default_factory=LoraConfig)
