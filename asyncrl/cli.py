@@ -62,18 +62,28 @@ def _pin(cfg, roles: tuple[str, ...], apply: bool = True) -> None:
         raise SystemExit(2) from None
 
 
+def _preflight(cfg, redis_required: bool = True, model: bool = True) -> None:
+    """Model folder, secret files and Redis checked before anything starts (asyncrl/preflight.py);
+    a failure is one line and exit 2 (see `main`)."""
+    from asyncrl.preflight import check_all
+
+    check_all(cfg, redis_required, model)
+
+
 def cmd_run(args) -> int:
     from asyncrl.affinity import ROLES
     from asyncrl.launcher import Launcher
 
     cfg = _load(args)
     _pin(cfg, ROLES, apply=False)  # checks only: the launcher pins each child (the launcher itself stays unpinned)
+    _preflight(cfg, redis_required=False)  # an empty buffer.redis_url: the launcher starts a local one
     return Launcher(cfg).run()
 
 
 def cmd_buffer(args) -> int:
     cfg = _load(args)
     _pin(cfg, ("buffer",))
+    _preflight(cfg, model=False)
     from buffers.service import main
 
     main(cfg)
@@ -83,6 +93,7 @@ def cmd_buffer(args) -> int:
 def cmd_generator(args) -> int:
     cfg = _load(args)
     _pin(cfg, ("generator",))
+    _preflight(cfg)
     from asyncrl.launcher import ensure_model
     from generators.main import main
 
@@ -94,6 +105,8 @@ def cmd_generator(args) -> int:
 def cmd_learner(args) -> int:
     cfg = _load(args)
     _pin(cfg, ("learner",))  # torchrun and its ranks inherit the mask and OMP_NUM_THREADS
+    if "RANK" not in os.environ:
+        _preflight(cfg)
     from asyncrl.launcher import ensure_model, learner_command
 
     ensure_model(cfg)
@@ -175,9 +188,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _place_leftovers(parser: argparse.ArgumentParser, args, leftover: list[str]) -> None:
+    """Positionals argparse could not place because they came after an option (`generator CONFIG
+    --id g0 buffer.redis_url=...`): overrides for the commands that take them (in the order given),
+    or the config file when none came before; anything else is an unrecognized argument."""
+    unplaced = []
+    for item in leftover:
+        if not hasattr(args, "overrides") or item.startswith("-"):
+            unplaced.append(item)
+        elif "=" in item:
+            args.overrides.append(item)
+        elif args.config is None and not args.overrides:
+            args.config = item
+        else:
+            unplaced.append(item)
+    if unplaced:
+        parser.error(f"unrecognized arguments: {' '.join(unplaced)}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options and overrides in any order: argparse alone stops filling `overrides` at the first option."""
+    parser = build_parser()
+    args, leftover = parser.parse_known_args(argv)
+    _place_leftovers(parser, args, leftover)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    args = parse_args(argv)
+    from asyncrl.config import ConfigError
+
+    try:
+        return int(args.fn(args) or 0)
+    except (ConfigError, ConnectionError) as e:
+        # A wrong setting or an unreachable / refusing Redis at the door: one line, nothing started.
+        print(f"asyncrl {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = REPO_CONFIGS / "tiny.yaml"
@@ -23,16 +23,47 @@ class ConfigError(ValueError):
     """A user mistake in the config: the message names the dotted path and the fix."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """A bound declared on a field, `lr: Annotated[float, Range(gt=0)] = 5e-4`, checked at load for
+    every field (YAML, overrides and defaults alike) before the cross-field checks."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def violated(self, value) -> str | None:
+        """The bound `value` breaks ("> 0"), or None."""
+        for bound, op, ok in ((self.ge, ">=", lambda b: value >= b), (self.gt, ">", lambda b: value > b),
+                              (self.le, "<=", lambda b: value <= b), (self.lt, "<", lambda b: value < b)):
+            if bound is not None and not ok(bound):
+                return f"{op} {bound:g}"
+        return None
+
+    def describe(self) -> str:
+        lo = f"> {self.gt:g}" if self.gt is not None else f">= {self.ge:g}" if self.ge is not None else ""
+        hi = f"< {self.lt:g}" if self.lt is not None else f"<= {self.le:g}" if self.le is not None else ""
+        return " and ".join(x for x in (lo, hi) if x)
+
+
+Positive = Range(gt=0)
+NonNegative = Range(ge=0)
+AtLeastOne = Range(ge=1)
+Fraction = Range(ge=0, le=1)
+Port = Range(ge=0, le=65535)
+
+
 @dataclass
 class RunConfig:
     name: str = "tiny"
     dir: str = "runs"  # the run directory is {dir}/{name}
-    max_steps: int = 20
+    max_steps: Annotated[int, AtLeastOne] = 20
     seed: int = 0
     mode: Literal["async", "sync"] = "async"  # sync: the lockstep baseline (asyncrl/modes.py)
     resume: bool = False  # launcher: keep the run's Redis state (and, with checkpoints, resume the learner)
     # Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off.
-    stall_timeout_s: float = 300.0
+    stall_timeout_s: Annotated[float, NonNegative] = 300.0
     on_stall: Literal["warn", "fail"] = "warn"  # fail: the launcher stops the run with exit code 3
 
 
@@ -53,16 +84,16 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: Literal["copy", "gsm8k", "prompts"] = "copy"
-    num_prompts: int = 1024  # copy task only
+    num_prompts: Annotated[int, AtLeastOne] = 1024  # copy task only
     alphabet: str = "abcdefgh"
-    min_len: int = 2
-    max_len: int = 4
+    min_len: Annotated[int, AtLeastOne] = 2
+    max_len: Annotated[int, AtLeastOne] = 4
     # gsm8k / prompts: a parquet or jsonl file (`asyncrl data gsm8k` writes train/test parquet).
     path: str = ""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     id_key: str = ""  # empty: rows are named {file stem}-{row index}
-    max_prompt_chars: int = 0  # > 0: rows with longer prompts are skipped (tiny-model runs)
+    max_prompt_chars: Annotated[int, NonNegative] = 0  # > 0: rows with longer prompts are skipped (tiny-model runs)
     chat_template: bool = False  # apply the tokenizer's chat template (plain text when it has none)
 
 
@@ -74,7 +105,7 @@ class RewardConfig:
     # A Hugging Face sequence-classification model (num_labels=1) scoring prompt+completion, one batch
     # per group; replaces `name`.
     model: str = ""
-    model_batch_size: int = 16
+    model_batch_size: Annotated[int, AtLeastOne] = 16
     format_regex: str = r"^\s*\S.*$"  # reward.name=format: 1.0 when the completion matches (re.DOTALL)
     extract: Literal["auto", "hash", "boxed", "last_number"] = "auto"  # math rewards: see math_reward.py
     format_bonus: float = 0.0  # math rewards: score of a well-formatted but wrong answer
@@ -83,53 +114,53 @@ class RewardConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 0  # learner steps between evaluation rounds; 0: no evaluation
-    num_prompts: int = 64  # the first rows of the held-out set
-    k: int = 4  # samples per prompt at generator.temperature for mean@k; 0: greedy only
+    every: Annotated[int, NonNegative] = 0  # learner steps between evaluation rounds; 0: no evaluation
+    num_prompts: Annotated[int, AtLeastOne] = 64  # the first rows of the held-out set
+    k: Annotated[int, NonNegative] = 4  # samples per prompt at generator.temperature for mean@k; 0: greedy only
     path: str = ""  # empty: the test split beside data.path (train -> test in the file name)
-    timeout_s: float = 600.0  # a round not complete by then is logged as incomplete and dropped
+    timeout_s: Annotated[float, Positive] = 600.0  # a round not complete by then is logged as incomplete and dropped
 
 
 @dataclass
 class GeneratorConfig:
-    num_generators: int = 1  # launcher only: how many generator processes `asyncrl run` starts
+    num_generators: Annotated[int, NonNegative] = 1  # launcher only: how many generator processes `asyncrl run` starts
     backend: Literal["vllm", "hf"] = "vllm"
-    n: int = 8  # samples per prompt: one GRPO group
-    max_tokens: int = 8
+    n: Annotated[int, AtLeastOne] = 8  # samples per prompt: one GRPO group
+    max_tokens: Annotated[int, AtLeastOne] = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_concurrent_groups: int = 16  # prompts leased and in flight at once
-    heartbeat_s: float = 1.0
-    heartbeat_ttl_s: float = 10.0
+    max_concurrent_groups: Annotated[int, AtLeastOne] = 16  # prompts leased and in flight at once
+    heartbeat_s: Annotated[float, Positive] = 1.0
+    heartbeat_ttl_s: Annotated[float, Positive] = 10.0
     # vLLM engine settings, passed through.
-    max_model_len: int = 128
+    max_model_len: Annotated[int, AtLeastOne] = 128
     dtype: str = "auto"
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
-    kv_cache_gb: float = 1.0  # CPU build only: VLLM_CPU_KVCACHE_SPACE
-    cpu_threads: int = 1  # CPU build only: OMP threads per engine
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.5
+    tensor_parallel_size: Annotated[int, AtLeastOne] = 1
+    kv_cache_gb: Annotated[float, Positive] = 1.0  # CPU build only: VLLM_CPU_KVCACHE_SPACE
+    cpu_threads: Annotated[int, AtLeastOne] = 1  # CPU build only: OMP threads per engine
     cpus: str = ""  # CPU list this role's processes run on ("0", "0-3,8"); empty: no pinning (asyncrl/affinity.py)
-    drain_timeout_s: float = 120.0  # SIGTERM: in-flight groups not done by then are handed back to the buffer
+    drain_timeout_s: Annotated[float, NonNegative] = 120.0  # SIGTERM: in-flight groups not done by then are handed back to the buffer
 
 
 @dataclass
 class BufferConfig:
     redis_url: str = ""  # empty: `asyncrl run` starts a local redis-server on a free port
     bind_host: str = "127.0.0.1"
-    ingest_port: int = 0  # 0: a free port, published in Redis for generators to find
-    capacity: int = 4096  # undelivered trajectory groups; past it ingest stops pulling (backpressure)
-    lease_timeout_s: float = 60.0  # a leased prompt not finished by then is handed to another generator
-    max_frame_bytes: int = 16 * 1024 * 1024
+    ingest_port: Annotated[int, Port] = 0  # 0: a free port, published in Redis for generators to find
+    capacity: Annotated[int, AtLeastOne] = 4096  # undelivered trajectory groups; past it ingest stops pulling (backpressure)
+    lease_timeout_s: Annotated[float, Positive] = 60.0  # a leased prompt not finished by then is handed to another generator
+    max_frame_bytes: Annotated[int, AtLeastOne] = 16 * 1024 * 1024
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
-    prompt_backlog: int = 64  # released-but-unleased prompts kept in the stream at most
-    redis_retry_s: float = 600.0  # every role retries a lost Redis (restart) this long before failing
+    prompt_backlog: Annotated[int, AtLeastOne] = 64  # released-but-unleased prompts kept in the stream at most
+    redis_retry_s: Annotated[float, Positive] = 600.0  # every role retries a lost Redis (restart) this long before failing
     # How the learner picks groups (learners/reader.py): oldest first; newest first within the
     # staleness bound; or each group reused up to `replay_ratio` times within the staleness bound.
     sampling: Literal["fifo", "newest", "replay"] = "fifo"
-    replay_ratio: int = 1
+    replay_ratio: Annotated[int, AtLeastOne] = 1
     cpus: str = ""  # CPU list of the buffer (and the launcher's local redis-server); empty: no pinning
 
 
@@ -147,16 +178,16 @@ class LoraConfig:
     """LoRA adapters through peft (learners/lora.py); generators always receive merged full weights."""
 
     enabled: bool = False
-    rank: int = 8
-    alpha: float = 16.0  # scale = alpha / rank
-    dropout: float = 0.0  # > 0 makes pi_prox (no-grad pass) and pi_theta differ by dropout noise
+    rank: Annotated[int, AtLeastOne] = 8
+    alpha: Annotated[float, Positive] = 16.0  # scale = alpha / rank
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0  # > 0 makes pi_prox (no-grad pass) and pi_theta differ by dropout noise
     # Module names (suffixes) that get adapters; default: the attention and MLP projections of Qwen2.
     target_modules: list[str] = field(default_factory=lambda: list(QWEN2_LORA_TARGETS))
 
 
 @dataclass
 class LearnerConfig:
-    nproc: int = 1  # torchrun ranks (FSDP2)
+    nproc: Annotated[int, AtLeastOne] = 1  # torchrun ranks (FSDP2)
     param_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state on CPU
     optimizer_offload: bool = False  # FSDP2 offloads optimizer state only together with parameters
     reshard_after_forward: bool = True
@@ -168,27 +199,27 @@ class LearnerConfig:
     compile: bool = False  # torch.compile each decoder layer
     # Keep the output head's logits (matmul dtype) for the backward instead of recomputing them, when
     # all of one micro-batch's completion-token logits fit in this many GiB (0: always recompute).
-    keep_logits_gb: float = 0.0
+    keep_logits_gb: Annotated[float, NonNegative] = 0.0
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    batch_groups: int = 8  # prompt groups a learner step consumes
-    ppo_epochs: int = 1  # passes over the step's groups
+    warmup_steps: Annotated[int, NonNegative] = 0
+    min_lr_ratio: Annotated[float, Fraction] = 0.0  # cosine floor as a fraction of lr
+    lr: Annotated[float, Positive] = 5e-4
+    weight_decay: Annotated[float, NonNegative] = 0.0
+    batch_groups: Annotated[int, AtLeastOne] = 8  # prompt groups a learner step consumes
+    ppo_epochs: Annotated[int, AtLeastOne] = 1  # passes over the step's groups
     # Disjoint mini-batches of whole groups per epoch, one optimizer step each (reshuffled every epoch).
-    minibatches: int = 1
+    minibatches: Annotated[int, AtLeastOne] = 1
     # Tokens (prompt + completion) one micro-batch may hold on one rank; gradients accumulate over the
     # micro-batches of a mini-batch. 0: chosen from the model size and device memory (learners/packing.py).
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: Annotated[int, NonNegative] = 0
     # A micro-batch's sequences in one row, attention kept inside each sequence (no FLOPs on padding).
     packing: bool = True
-    max_grad_norm: float = 1.0
-    poll_s: float = 0.5  # how long rank 0 blocks on Redis before re-checking membership
+    max_grad_norm: Annotated[float, Positive] = 1.0
+    poll_s: Annotated[float, Positive] = 0.5  # how long rank 0 blocks on Redis before re-checking membership
     lora: LoraConfig = field(default_factory=LoraConfig)
     # algorithm.advantage=gae: the value model (learners/critic.py), a full-parameter decoder + value head.
     critic_path: str = ""  # empty: model.path
-    critic_lr: float = 1e-4
+    critic_lr: Annotated[float, Positive] = 1e-4
     cpus: str = ""  # CPU list of the learner's ranks (torch threads = CPUs / nproc); empty: no pinning
 
 
@@ -197,43 +228,43 @@ class AlgorithmConfig:
     # gae trains a critic (learners/critic.py) and works with generator.n=1; the others are group baselines.
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
     loss: Literal["decoupled_ppo", "ppo", "tis", "mis", "cispo", "gspo"] = "decoupled_ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low: DAPO clip-higher
+    clip_low: Annotated[float, NonNegative] = 0.2
+    clip_high: Annotated[float, NonNegative] = 0.2  # > clip_low: DAPO clip-higher
     dual_clip: float = 0.0  # > 1: dual-clip bound on negative-advantage tokens; 0: off
-    is_cap: float = 2.0  # C in min(pi_prox / mu, C)
+    is_cap: Annotated[float, Range(ge=1)] = 2.0  # C in min(pi_prox / mu, C)
     is_level: Literal["token", "sequence"] = "token"  # truncated IS weight per token or per sequence
-    mis_low: float = 0.5  # masked IS (loss=mis): tokens with pi/mu outside [low, high] are dropped
+    mis_low: Annotated[float, Positive] = 0.5  # masked IS (loss=mis): tokens with pi/mu outside [low, high] are dropped
     mis_high: float = 2.0
-    kl_coef: float = 0.0  # KL to the frozen reference (the initial model); 0: no reference is loaded
+    kl_coef: Annotated[float, NonNegative] = 0.0  # KL to the frozen reference (the initial model); 0: no reference is loaded
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
-    kl_target: float = 0.0  # > 0: adaptive coefficient tracking this KL (PPO controller); 0: fixed
-    kl_horizon: int = 10000
+    kl_target: Annotated[float, NonNegative] = 0.0  # > 0: adaptive coefficient tracking this KL (PPO controller); 0: fixed
+    kl_horizon: Annotated[int, AtLeastOne] = 10000
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards have zero variance (counted)
-    overlong_buffer: int = 0  # DAPO overlong shaping: linear penalty over the last N tokens before max_tokens
-    overlong_penalty: float = 1.0
-    max_staleness: int = 1  # policy versions a trained token may lag behind the learner
+    overlong_buffer: Annotated[int, NonNegative] = 0  # DAPO overlong shaping: linear penalty over the last N tokens before max_tokens
+    overlong_penalty: Annotated[float, NonNegative] = 1.0
+    max_staleness: Annotated[int, NonNegative] = 1  # policy versions a trained token may lag behind the learner
     # top_p < 1 / top_k > 0 make behaviour log-probs those of the truncated distribution while the learner's
     # are full-softmax: the off-policy losses then see a biased ratio. Allow it only knowingly.
     allow_truncated_sampling: bool = False
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     # advantage=gae: discount, GAE lambda and PPO value clipping (|V - V_old| <= value_clip; 0: off).
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float = 0.2
+    gamma: Annotated[float, Fraction] = 1.0
+    lam: Annotated[float, Fraction] = 0.95
+    value_clip: Annotated[float, NonNegative] = 0.2
 
 
 @dataclass
 class WeightsConfig:
     mode: Literal["keep", "abort", "drain"] = "keep"
-    sync_every: int = 1
-    bucket_mb: float = 64.0
+    sync_every: Annotated[int, AtLeastOne] = 1
+    bucket_mb: Annotated[float, Positive] = 64.0
     # Generators stage all buckets before loading, so a failed broadcast leaves old, whole weights;
     # false streams bucket by bucket into the model (less memory, but a failure mid-way is fatal).
     atomic: bool = True
-    join_timeout_s: float = 30.0  # members that do not join a new group epoch by then are dropped
-    sync_timeout_s: float = 60.0  # a broadcast that does not finish by then fails the epoch
-    port: int = 0  # 0: a free port for the weight group's TCPStore
+    join_timeout_s: Annotated[float, Positive] = 30.0  # members that do not join a new group epoch by then are dropped
+    sync_timeout_s: Annotated[float, Positive] = 60.0  # a broadcast that does not finish by then fails the epoch
+    port: Annotated[int, Port] = 0  # 0: a free port for the weight group's TCPStore
     # auto: nccl when the learner is on CUDA, else gloo. gloo on CUDA: one GPU shared by the learner and
     # vLLM cannot hold two NCCL ranks, so the buckets go through host memory instead.
     backend: Literal["auto", "nccl", "gloo"] = "auto"
@@ -245,9 +276,9 @@ class WeightsConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # 0: no checkpoints; trajectories are then acked right after their step
+    every: Annotated[int, NonNegative] = 0  # 0: no checkpoints; trajectories are then acked right after their step
     dir: str = ""  # empty: {run_dir}/checkpoints
-    keep: int = 2  # complete checkpoints kept
+    keep: Annotated[int, AtLeastOne] = 2  # complete checkpoints kept
     resume: Literal["auto", "never", "must"] = "auto"  # auto: resume the latest complete checkpoint
     export_hf: bool = True  # write {run_dir}/hf-final (safetensors) when the run ends
 
@@ -261,8 +292,8 @@ class LoggingConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: files under {run_dir}/wandb
     prometheus: bool = True  # a /metrics endpoint in every process
     prometheus_host: str = "127.0.0.1"
-    prometheus_port: int = 0  # 0: a free port; N: N, or the next free one up to N+63. Published in Redis.
-    lag_history: int = 100  # batches whose version-lag histogram `asyncrl status` shows
+    prometheus_port: Annotated[int, Port] = 0  # 0: a free port; N: N, or the next free one up to N+63. Published in Redis.
+    lag_history: Annotated[int, NonNegative] = 100  # batches whose version-lag histogram `asyncrl status` shows
 
 
 @dataclass
@@ -321,7 +352,10 @@ class Config:
                 and heads % m.tiny_num_kv_heads == 0)
 
     def validate(self) -> Config:
-        """Cross-field checks; each error names the dotted path and the fix."""
+        """Declared bounds (`Range` on the fields), then cross-field checks; each error names the
+        dotted path and the fix."""
+        for message in _range_errors(self, ""):
+            raise ConfigError(message)
         checks = [
             # GAE's baseline is the critic, not the group, so only the group advantages need n > 1.
             (self.generator.n > 1 or self.algorithm.advantage == "gae",
@@ -406,6 +440,20 @@ class Config:
 
 
 # ---- loading -------------------------------------------------------------------------------------
+
+
+def _range_errors(node: Any, path: str) -> typing.Iterator[str]:
+    """One message per field whose value breaks the `Range` declared on it."""
+    hints = typing.get_type_hints(type(node), include_extras=True)
+    for f in dataclasses.fields(node):
+        value, tp = getattr(node, f.name), hints[f.name]
+        sub = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(value):
+            yield from _range_errors(value, sub)
+        elif typing.get_origin(tp) is Annotated:
+            for bound in tp.__metadata__:
+                if isinstance(bound, Range) and bound.violated(value):
+                    yield f"{sub} must be {bound.describe()}, got {value!r}"
 
 
 def _coerce(value: Any, tp: Any, path: str) -> Any:
@@ -511,7 +559,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
     data = apply_overrides(data, overrides or [])
     return _build(Config, data, "").validate()
 

@@ -112,7 +112,9 @@ class Keys:
 
 def _check_url(url: str) -> None:
     if not url:
-        raise ValueError("buffer.redis_url is empty: start Redis and pass buffer.redis_url=redis://HOST:PORT/0 "
+        from asyncrl.config import ConfigError
+
+        raise ConfigError("buffer.redis_url is empty: start Redis and pass buffer.redis_url=redis://HOST:PORT/0 "
                          "(or use `asyncrl run`, which starts one)")
 
 
@@ -130,10 +132,22 @@ def connect(url: str, retry_s: float = 600.0):
     auth = _auth_kwargs()
     try:
         redis.Redis.from_url(url, socket_connect_timeout=10, retry=None, **auth).ping()
-    except RETRYABLE as e:
-        raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
+    except (*RETRYABLE, redis.ResponseError) as e:
+        raise _unreachable(url, e) from e
     return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=10,
                                 retry=LoudRetry(retry_s), retry_on_error=list(RETRYABLE), **auth)
+
+
+def _unreachable(url: str, e: Exception) -> ConnectionError:
+    """One line for a Redis that is not there or does not let us in (a missing or wrong password
+    is named as such, not as "cannot reach")."""
+    text = str(e)
+    if "NOAUTH" in text or "Authentication required" in text or "already authenticated" in text:
+        return ConnectionError(f"Redis at {url} requires a password: set deploy.redis_password_file to a file "
+                               "holding it")
+    if "WRONGPASS" in text or "invalid username-password" in text or "without any password configured" in text:
+        return ConnectionError(f"Redis at {url} refused the password in deploy.redis_password_file ({text})")
+    return ConnectionError(f"cannot reach Redis at {url}: {e}")
 
 
 def _auth_kwargs() -> dict:
@@ -155,8 +169,8 @@ async def aconnect(url: str, retry_s: float = 600.0):
     probe = aioredis.Redis.from_url(url, socket_connect_timeout=10, retry=None, **auth)
     try:
         await probe.ping()
-    except RETRYABLE as e:
-        raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
+    except (*RETRYABLE, aioredis.ResponseError) as e:
+        raise _unreachable(url, e) from e
     finally:
         await probe.aclose()
     return aioredis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=10,

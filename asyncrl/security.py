@@ -35,7 +35,9 @@ def read_secret(path: str) -> str:
     if path not in _secrets:
         p = Path(path).expanduser()
         if not p.exists():
-            raise ValueError(f"secret file {p} does not exist (deploy.*_file settings name files holding secrets)")
+            from asyncrl.config import ConfigError
+
+            raise ConfigError(f"secret file {p} does not exist (deploy.*_file settings name files holding secrets)")
         if p.stat().st_mode & 0o077:
             log.warning("secret file %s is readable by group/others: chmod 600 it", p)
         _secrets[path] = p.read_text().strip()
