@@ -154,6 +154,9 @@ class BufferConfig:
     capacity: Annotated[int, AtLeastOne] = 4096  # undelivered trajectory groups; past it ingest stops pulling (backpressure)
     lease_timeout_s: Annotated[float, Positive] = 60.0  # a leased prompt not finished by then is handed to another generator
     max_frame_bytes: Annotated[int, AtLeastOne] = 16 * 1024 * 1024
+    # Refuse groups whose group id the buffer never released (buffers/service.py `check_run`). Off
+    # only for tests and benchmarks that push synthetic groups straight to the ingest socket.
+    check_released: bool = True
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
     prompt_backlog: Annotated[int, AtLeastOne] = 64  # released-but-unleased prompts kept in the stream at most
     redis_retry_s: Annotated[float, Positive] = 600.0  # every role retries a lost Redis (restart) this long before failing

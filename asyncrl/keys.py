@@ -105,6 +105,11 @@ class Keys:
         return self._k("deploy")
 
     @property
+    def quarantine(self) -> str:
+        """Dead-letter stream: trajectory entries the learner could not train, with the reason (learners/quarantine.py)."""
+        return self._k("quarantine")
+
+    @property
     def lag_history(self) -> str:
         """List (newest first, capped): one JSON version-lag histogram per trained batch."""
         return self._k("lag_history")

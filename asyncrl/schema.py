@@ -249,3 +249,58 @@ def validate_group(group: TrajectoryGroup, max_tokens: int | None = None) -> Non
             raise FrameError("bad_logprob", f"sample {i} has non-finite or positive log-probs")
         if np.any(unpack_i32(s.versions) < 0) or np.any(unpack_i32(s.completion_ids) < 0):
             raise FrameError("bad_array", f"sample {i} has negative token ids or versions")
+
+
+# ---- validation against the run ----------------------------------------------------------------------
+
+
+class RunLimits(msgspec.Struct, frozen=True):
+    """What a group must agree with to be trainable in this run; the wire checks above cannot know it.
+    `vocab_size` None: unknown here (a buffer without the model folder), not checked."""
+
+    vocab_size: int | None
+    sampling: SamplingInfo
+    max_tokens: int
+    max_model_len: int
+
+    @classmethod
+    def from_config(cls, cfg, vocab_size: int | None) -> RunLimits:
+        g = cfg.generator
+        return cls(vocab_size=vocab_size, sampling=SamplingInfo(float(g.temperature), float(g.top_p), int(g.top_k)),
+                   max_tokens=g.max_tokens, max_model_len=g.max_model_len)
+
+
+def split_group_id(group_id: str) -> tuple[str, int] | None:
+    """`{prompt_id}@e{epoch}` (how the buffer names each release) -> (prompt_id, epoch), else None."""
+    prompt_id, sep, epoch = group_id.rpartition("@e")
+    if not sep or not prompt_id or not epoch.isdigit():
+        return None
+    return prompt_id, int(epoch)
+
+
+def validate_for_run(group: TrajectoryGroup, limits: RunLimits) -> None:
+    """Checks a well-formed group against the run (buffer at ingest, learner before training); raises
+    FrameError. Why each: a token id past the vocabulary is an IndexError in the learner's gather;
+    other sampling settings make every importance ratio silently wrong; a sequence past
+    max_model_len is one no generator of this run can have produced."""
+    parts = split_group_id(group.group_id)
+    if parts is None or parts[0] != group.prompt_id:
+        raise FrameError("bad_group_id", f"group_id {group.group_id!r} is not {group.prompt_id!r}@e<epoch>")
+    s, want = group.sampling, limits.sampling
+    if (s.temperature, s.top_p, s.top_k) != (want.temperature, want.top_p, want.top_k):
+        raise FrameError("sampling_mismatch", f"sampled with temperature={s.temperature} top_p={s.top_p} "
+                         f"top_k={s.top_k}, the run with temperature={want.temperature} top_p={want.top_p} "
+                         f"top_k={want.top_k}")
+    prompt = unpack_i32(group.prompt_ids)
+    if len(prompt) >= limits.max_model_len:
+        raise FrameError("too_long", f"prompt of {len(prompt)} tokens >= generator.max_model_len {limits.max_model_len}")
+    vocab = limits.vocab_size
+    if vocab is not None and int(prompt.max()) >= vocab:
+        raise FrameError("token_id", f"prompt token id {int(prompt.max())} >= vocabulary size {vocab}")
+    for i, sample in enumerate(group.samples):
+        ids = unpack_i32(sample.completion_ids)
+        if len(ids) > limits.max_tokens or len(prompt) + len(ids) > limits.max_model_len:
+            raise FrameError("too_long", f"sample {i}: {len(prompt)} + {len(ids)} tokens, limits generator.max_tokens "
+                             f"{limits.max_tokens} / generator.max_model_len {limits.max_model_len}")
+        if vocab is not None and int(ids.max()) >= vocab:
+            raise FrameError("token_id", f"sample {i} token id {int(ids.max())} >= vocabulary size {vocab}")

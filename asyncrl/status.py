@@ -45,7 +45,8 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
     learner = {"step": int(_num(lh.get("step"), 0)), "version": int(_num(client.get(keys.version), 0)),
                "tokens_per_s": _num(lh.get("tokens_per_s"), 0.0), "idle_ratio": _num(lh.get("idle_ratio"), 0.0),
                "updated_age_s": now - _num(lh["updated_at"]) if "updated_at" in lh else None,
-               "dropped_groups": int(_num(lh.get("dropped_groups"), 0)), "metrics_url": exporters.get("learner")}
+               "dropped_groups": int(_num(lh.get("dropped_groups"), 0)),
+               "quarantined": int(_num(lh.get("quarantined"), 0)), "metrics_url": exporters.get("learner")}
     bm = {k.split(":", 1)[1]: v for k, v in _dec(client.hgetall(keys.metrics)).items() if k.startswith("buffer:")}
     try:
         depth = group_lag(client, keys.trajectories, "learner")
@@ -95,7 +96,7 @@ def render(snap: dict):
     lr, bf = snap["learner"], snap["buffer"]
     roles = Table(title="learner / buffer", expand=True, show_header=False)
     roles.add_row("learner", f"step {lr['step']}", f"version {lr['version']}", f"{lr['tokens_per_s']:.1f} tok/s",
-                  f"idle {lr['idle_ratio']:.2f}", f"dropped {lr['dropped_groups']}", f"updated {age(lr['updated_age_s'])}")
+                  f"idle {lr['idle_ratio']:.2f}", f"dropped {lr['dropped_groups']}", f"quarantined {lr['quarantined']}", f"updated {age(lr['updated_age_s'])}")
     roles.add_row("buffer", f"depth {bf['depth']}", f"oldest {bf['oldest_age_s']:.1f}s",
                   f"{bf['groups_per_s']:.2f} groups/s", f"backlog {bf['prompt_backlog']}",
                   f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")

@@ -46,13 +46,19 @@ def copy_dataset(num_rows: int, seed: int, alphabet: str = "abcdefgh", min_len: 
     return rows
 
 
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """Row indices in the order epoch `epoch` releases them (what `iter_epochs` walks)."""
+    order = list(range(num_rows))
+    random.Random(seed + epoch).shuffle(order)
+    return order
+
+
 def iter_epochs(rows: list[PromptRecord], seed: int, start_epoch: int = 0,
                 start_index: int = 0) -> Iterator[tuple[int, int, PromptRecord]]:
     """Yields (epoch, index, row) forever, reshuffled each epoch deterministically from `seed`."""
     epoch, index = start_epoch, start_index
     while True:
-        order = list(range(len(rows)))
-        random.Random(seed + epoch).shuffle(order)
+        order = epoch_order(len(rows), seed, epoch)
         while index < len(order):
             yield epoch, index, rows[order[index]]
             index += 1

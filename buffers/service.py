@@ -35,7 +35,10 @@ MAX_BATCH_BYTES = 32 * 2**20  # one Redis pipeline carries at most this much
 RELEASE_FALLBACK_S = 0.5
 RELEASE_BACKLOG_S = 0.05
 # Counters published as buffer:{name} (plus buffer:reject:{reason}); they survive buffer restarts.
-COUNTERS = ("frames", "bytes", "groups", "dedupes", "reclaims", "full_pauses", "full_ms")
+COUNTERS = ("frames", "bytes", "groups", "dedupes", "reclaims", "full_pauses", "full_ms", "auth_refused")
+# Rejected frames: counted each, logged once per reason per this many seconds (a fuzzing or broken
+# peer sent 14,344 in one run, one WARNING line each).
+REJECT_LOG_S = 10.0
 
 
 def load_prompts(cfg: Config) -> list[PromptRecord]:
@@ -47,6 +50,20 @@ def load_prompts(cfg: Config) -> list[PromptRecord]:
 
         return load_dataset_from_config(cfg.data)
     raise AssertionError(cfg.data.task)
+
+
+def model_vocab_size(model_path: str) -> int | None:
+    """`vocab_size` from a local Hugging Face folder's config.json (no transformers import); None when
+    the folder is not here (a hub id, a buffer on another node): the learner checks it then."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 def admission_budget(version: int, max_staleness: int, groups_per_step: int, dropped_groups: int) -> int:
@@ -94,6 +111,18 @@ class BufferService:
         self.notify = None  # NotifyPipe, started by run()
         self._woken = False  # a wake-up arrived: re-check the admission budget now
         self._backlog_bound = False  # the last release was held back by buffer.prompt_backlog
+        vocab = model_vocab_size(cfg.model_path)
+        if vocab is None:
+            log.warning("no model config at %s: token ids are not checked against the vocabulary here "
+                        "(the learner still checks them)", cfg.model_path)
+        self.limits = schema.RunLimits.from_config(cfg, vocab)
+        self._rows_of: dict[str, list[int]] = {}
+        for i, row in enumerate(self.rows):
+            self._rows_of.setdefault(row.prompt_id, []).append(i)
+        self._positions: dict[int, list[int]] = {}  # epoch -> position of each row in that epoch's order
+        self._cursor = (0, 0)  # (epoch, index) of the next release, as last read
+        self._reject_logged: dict[str, float] = {}  # reason -> when last logged
+        self._reject_unlogged: dict[str, int] = {}  # reason -> rejects since then
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -147,9 +176,9 @@ class BufferService:
             buf = frame.buffer
             try:
                 group = schema.decode(buf, schema.TrajectoryGroup, max_bytes, max_tokens=max_tokens)
+                self.check_run(group)
             except schema.FrameError as e:
-                self.count(f"reject:{e.reason}")
-                log.warning("rejected frame (%d bytes): %s", len(buf), e)
+                self.reject(e, len(buf))
                 continue
             valid.append(group.group_id)
             dedupe_append(pipe, self.keys, group.group_id, buf)
@@ -166,6 +195,51 @@ class BufferService:
         self.count("groups", added)
         self._depth += added
         return added
+
+    def check_run(self, group: schema.TrajectoryGroup) -> None:
+        """Validation against the run (token ids, sampling, lengths: schema.validate_for_run) and
+        against what this buffer released: a group id it never handed out (`{prompt_id}@e{epoch}`,
+        the prompt at a position of that epoch's order the cursor has passed) is not a group the
+        admission rule counted, so it could not be trained honestly. Raises FrameError."""
+        schema.validate_for_run(group, self.limits)
+        if not self.cfg.buffer.check_released:
+            return
+        prompt_id, epoch = schema.split_group_id(group.group_id)  # validate_for_run checked the form
+        rows = self._rows_of.get(prompt_id)
+        if rows is None:
+            raise schema.FrameError("unknown_prompt", f"prompt id {prompt_id!r} is not in this run's data")
+        if epoch not in self._positions:
+            from asyncrl.tasks import epoch_order
+
+            if len(self._positions) >= 4:  # a few epochs around the cursor; recomputed on a miss
+                self._positions.pop(next(iter(self._positions)))
+            inverse = [0] * len(self.rows)
+            for pos, row in enumerate(epoch_order(len(self.rows), self.cfg.run.seed, epoch)):
+                inverse[row] = pos
+            self._positions[epoch] = inverse
+        first = min(self._positions[epoch][r] for r in rows)
+        for refresh in (False, True):  # the cached cursor first; re-read once before refusing
+            if refresh:
+                cur = self.client.hmget(self.keys.cursor, "epoch", "index")
+                self._cursor = (int(cur[0] or 0), int(cur[1] or 0))
+            if (epoch, first) < self._cursor:
+                return
+        raise schema.FrameError("unreleased_id", f"group {group.group_id!r} was never released by this run")
+
+    def reject(self, error: schema.FrameError, nbytes: int) -> None:
+        """Counts a refused frame under its reason; logs the first of each reason, then at most once
+        per REJECT_LOG_S with how many came since."""
+        self.count(f"reject:{error.reason}")
+        now = time.monotonic()
+        last = self._reject_logged.get(error.reason)
+        if last is not None and now - last < REJECT_LOG_S:
+            self._reject_unlogged[error.reason] = self._reject_unlogged.get(error.reason, 0) + 1
+            return
+        more = self._reject_unlogged.pop(error.reason, 0)
+        self._reject_logged[error.reason] = now
+        since = f" (+{more} more since the last line)" if more else ""
+        log.warning("rejected frame (%d bytes): %s%s; total %s=%d", nbytes, error, since, error.reason,
+                    self.counters[f"reject:{error.reason}"])
 
     def _poll(self, timeout_ms: int, frames: bool = True) -> bool:
         """Waits up to `timeout_ms` for a frame (when `frames`) or a wake-up; True if a frame is waiting.

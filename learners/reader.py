@@ -57,9 +57,11 @@ def _remember(d: OrderedDict, key) -> None:
 
 class TrajectoryReader:
     def __init__(self, client: redis.Redis, keys: Keys, cfg: Config, consumer: str = "learner-0",
-                 known: list | None = None):
-        """`known`: (entry_id, group) pairs the caller already holds (e.g. recovered after a restart)."""
+                 known: list | None = None, quarantine=None):
+        """`known`: (entry_id, group) pairs the caller already holds (e.g. recovered after a restart);
+        `quarantine` (learners/quarantine.py): where undecodable entries go, else they are acked and logged."""
         self.client = client
+        self.quarantine = quarantine
         self.keys = keys
         self.consumer = consumer
         self.strategy = cfg.buffer.sampling
@@ -110,12 +112,17 @@ class TrajectoryReader:
             if data is None:  # trimmed meanwhile
                 redelivered.append(entry_id)
                 continue
-            try:
-                group = schema.decode(data, schema.TrajectoryGroup)
-            except schema.FrameError as e:  # the buffer validated it; a corrupt entry is skipped, loudly
-                log.error("undecodable trajectory entry %s skipped: %s", entry_id, e)
-                redelivered.append(entry_id)
-                continue
+            if self.quarantine is not None:
+                group = self.quarantine.decode(entry_id, data)  # None: moved to the dead-letter stream
+                if group is None:
+                    continue
+            else:
+                try:
+                    group = schema.decode(data, schema.TrajectoryGroup)
+                except schema.FrameError as e:  # the buffer validated it; a corrupt entry is skipped, loudly
+                    log.error("undecodable trajectory entry %s skipped: %s", entry_id, e)
+                    redelivered.append(entry_id)
+                    continue
             if group.group_id in self.handed_groups:
                 redelivered.append(entry_id)
                 continue

@@ -256,16 +256,35 @@ class Learner:
 
     def _recover_pending(self) -> None:
         """After a restart, trajectories delivered to us but never acked (their update was not in a
-        durable checkpoint) come first, in their original order."""
+        durable checkpoint) come first, in their original order. They pass the same screen as a fresh
+        read (learners/quarantine.py): a poison group left pending by a crash is moved aside, not
+        trained first and crashed on again."""
+        quarantine = self._quarantine()
         reply = self.client.xreadgroup(LEARNER_GROUP, "learner-0", {self.keys.trajectories: "0"}, count=100_000)
         entries = reply[0][1] if reply else []
+        recovered = []
         for entry_id, fields in entries:
             if fields:
-                self.pending.append((entry_id, _decode_stored(fields[b"data"], schema.TrajectoryGroup,
-                                                              "an unacked trajectory group")))
+                try:
+                    group = quarantine.decode(entry_id, fields.get(b"data"))
+                except schema.FrameError:  # another schema version: the clear error, not poison
+                    _decode_stored(fields[b"data"], schema.TrajectoryGroup, "an unacked trajectory group")
+                    raise
+                if group is not None:
+                    recovered.append((entry_id, group))
+        self.pending.extend(quarantine.screen(recovered))
         if entries:
             log.warning("re-training %d trajectory groups delivered before the restart but never acked", len(entries))
             log_event(self.client, self.keys, "redeliver", num=len(entries))
+
+    def _quarantine(self):
+        """The screen every group passes before a batch (learners/quarantine.py), built on first use."""
+        if getattr(self, "quarantine", None) is None:
+            from learners.quarantine import Quarantine
+
+            vocab = int(self.model.config.vocab_size)  # rows of the embedding the log-prob gather indexes
+            self.quarantine = Quarantine(self.client, self.keys, schema.RunLimits.from_config(self.cfg, vocab))
+        return self.quarantine
 
     def live_members(self) -> list[str]:
         members = []
@@ -310,10 +329,12 @@ class Learner:
         if getattr(self, "reader", None) is None:
             from learners.reader import TrajectoryReader
 
-            self.reader = TrajectoryReader(self.client, self.keys, self.cfg, known=self.pending)
+            self.reader = TrajectoryReader(self.client, self.keys, self.cfg, known=self.pending,
+                                           quarantine=self._quarantine())
         got, dropped = self.reader.read(need, self.version, in_hand=self.pending)
-        for _, group in got:
-            self.check_sampling(group)
+        # Sampling settings, token ids, lengths and ids against the run: a group that fails is
+        # quarantined, never trained and never fatal (it used to raise here and crash every restart).
+        got = self._quarantine().screen(got)
         if self.cfg.algorithm.dynamic_sampling:
             # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere
             # and only dilutes the batch; drop it (acked, counted, given back to the admission budget).
@@ -331,15 +352,6 @@ class Learner:
             return False
         self._last_stop_check = time.monotonic()
         return bool(self.client.exists(self.keys.stop_request))
-
-    def check_sampling(self, group: schema.TrajectoryGroup) -> None:
-        g = self.cfg.generator
-        s = group.sampling
-        if (s.temperature, s.top_p, s.top_k) != (g.temperature, g.top_p, g.top_k):
-            raise RuntimeError(
-                f"group {group.group_id} from {group.generator_id} was sampled with temperature={s.temperature} "
-                f"top_p={s.top_p} top_k={s.top_k}, the learner is configured with temperature={g.temperature} "
-                f"top_p={g.top_p} top_k={g.top_k}: make generator.* agree in every process")
 
     def decide(self) -> tuple[int, bytes]:
         """Rank 0 waits for a full batch, interleaving fleet checks so late joiners get weights."""
@@ -598,6 +610,7 @@ class Learner:
             "lag_mean": sum(lags) / max(len(lags), 1), "lag_max": max(lags) if lags else 0,
             "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
             "dropped_stale": self.dropped_stale, "dropped_zero_var": self.dropped_zero_var,
+            "quarantined": self._quarantine().num,
             "num_groups": len(groups),
             "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": stats["tokens"] / max(stats["step_s"], 1e-9),
             "sync_s": sync_s, "buffer_depth": depth, "idle_ratio": self.idle_s / max(elapsed, 1e-9),

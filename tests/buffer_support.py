@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def buffer_cfg(tmp_path, redis, *overrides):
-    """A config for buffer-only tests: no model is loaded by the buffer, so none is written."""
+    """A config for buffer-only tests: no model is loaded by the buffer, so none is written. The
+    tests push synthetic group ids, so the released-id check is off unless an override turns it on."""
     return load_config(None, [f"run.dir={tmp_path / 'runs'}", f"model.path={tmp_path / 'no-model'}",
-                              f"buffer.redis_url={redis.url}", *overrides])
+                              f"buffer.redis_url={redis.url}", "buffer.check_released=false", *overrides])
 
 
 def wait_for(pred, timeout=15.0, every=0.05) -> bool:

@@ -59,7 +59,8 @@ def test_full_buffer_stops_ingest_and_drops_nothing(tmp_path, redis_server):
 
 
 def test_full_buffer_holds_the_senders_at_the_high_water_mark(tmp_path, redis_server):
-    cfg = buffer_cfg(tmp_path, redis_server, "run.name=hwm", "buffer.capacity=2", "generator.max_tokens=8192")
+    cfg = buffer_cfg(tmp_path, redis_server, "run.name=hwm", "buffer.capacity=2", "generator.max_tokens=8192",
+                    "generator.max_model_len=8200")
     svc, t = start_thread(cfg)
     try:
         frame = schema.encode(make_group("big@e0", num_samples=8, num_tokens=8192))  # ~790 kB

@@ -21,11 +21,11 @@ from tests.helpers import Procs, make_group
 
 
 def _start_buffer(tmp_path, make_cfg, redis_server, *overrides):
-    cfg = make_cfg("run.name=auth", *overrides, redis=redis_server)
+    cfg = make_cfg("run.name=auth", "buffer.check_released=false", *overrides, redis=redis_server)  # synthetic ids
     procs = Procs(tmp_path)
     procs.spawn("buffer", [sys.executable, "-m", "asyncrl", "buffer", "configs/tiny.yaml",
                            f"run.dir={cfg.run.dir}", f"model.path={cfg.model.path}", "run.name=auth",
-                           f"buffer.redis_url={redis_server.url}", *overrides])
+                           f"buffer.redis_url={redis_server.url}", "buffer.check_released=false", *overrides])
     client = connect(redis_server.url)
     keys = Keys("auth")
     deadline = time.monotonic() + 60
