@@ -62,6 +62,7 @@ def bench_ours(redis: LocalRedis, num_tokens: int, num: int, run_dir: str) -> di
 
     cfg = load_config(None, [f"run.dir={run_dir}", f"run.name=bench{num_tokens}", f"buffer.redis_url={redis.url}",
                              f"buffer.capacity={num + 1}", f"generator.max_tokens={num_tokens}",
+                             f"generator.max_model_len={num_tokens + 65}", "buffer.check_released=false",  # synthetic ids
                              "model.path=/nonexistent"])
     svc = BufferService(cfg)
     svc.setup()
