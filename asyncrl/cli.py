@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-start-steps", type=int, default=0, help="supervised warm start on the copy task")
     p.set_defaults(fn=cmd_tiny_model)
+    from asyncrl.models import add_model_commands
+
+    add_model_commands(sub)  # model smollm2 | from-gguf
     from asyncrl.cli_observe import add_observe_commands
 
     add_observe_commands(sub)  # status, plot, inspect
