@@ -83,11 +83,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: Literal["copy", "gsm8k", "prompts"] = "copy"
-    num_prompts: Annotated[int, AtLeastOne] = 1024  # copy task only
+    task: Literal["copy", "gsm8k", "prompts", "arith"] = "copy"
+    num_prompts: Annotated[int, AtLeastOne] = 1024  # copy and arith tasks: training prompts drawn from run.seed
     alphabet: str = "abcdefgh"
     min_len: Annotated[int, AtLeastOne] = 2
     max_len: Annotated[int, AtLeastOne] = 4
+    # arith (asyncrl/arith.py): `a OP b`, OP from these, operands of min..max digits, asked in this prompt.
+    arith_ops: str = "+-"
+    arith_min_digits: Annotated[int, Range(ge=1, le=9)] = 2
+    arith_max_digits: Annotated[int, Range(ge=1, le=9)] = 2
+    arith_prompt: str = "What is {a} {op} {b}? Answer with the number only."
     # gsm8k / prompts: a parquet or jsonl file (`asyncrl data gsm8k` writes train/test parquet).
     path: str = ""
     prompt_key: str = "prompt"
@@ -99,7 +104,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: Literal["copy", "gsm8k", "math", "exact_match", "format"] = "copy"  # registry: asyncrl/rewards.py
+    name: Literal["copy", "gsm8k", "math", "exact_match", "format", "arith"] = "copy"  # registry: asyncrl/rewards.py
     # A user function `my_pkg.mod:score`, called score(completion, answer, **row) -> float; replaces `name`.
     function: str = ""
     # A Hugging Face sequence-classification model (num_labels=1) scoring prompt+completion, one batch
@@ -402,7 +407,7 @@ class Config:
              f"buffer.replay_ratio={self.buffer.replay_ratio} only takes effect with buffer.sampling=replay "
              f"(got buffer.sampling={self.buffer.sampling})"),
             (self.buffer.redis_retry_s > 0, "buffer.redis_retry_s must be > 0"),
-            (self.data.task == "copy" or bool(self.data.path),
+            (self.data.task in ("copy", "arith") or bool(self.data.path),
              f"data.path must name a parquet/jsonl file for data.task={self.data.task} "
              "(e.g. run `asyncrl data gsm8k --src openai/gsm8k --out data/gsm8k`, then data.path=data/gsm8k/train.parquet)"),
             (self.eval.every >= 0 and self.eval.num_prompts > 0 and self.eval.k >= 0,
@@ -431,6 +436,15 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.data.task == "arith":
+            from asyncrl.arith import check_settings
+
+            d = self.data
+            for message in check_settings(d.arith_ops, d.arith_min_digits, d.arith_max_digits, d.arith_prompt):
+                raise ConfigError(message)
+            if self.reward.name == "copy" and not (self.reward.function or self.reward.model):
+                raise ConfigError("data.task=arith is scored by reward.name=arith (the copy reward compares "
+                                  "letters): set reward.name=arith")
         from asyncrl.modes import config_errors  # run.mode=sync cross-field checks
 
         for message in config_errors(self):

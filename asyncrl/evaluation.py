@@ -44,10 +44,15 @@ def eval_set_path(cfg) -> str:
 
 
 def load_eval_set(cfg) -> list[PromptRecord]:
-    """The first `eval.num_prompts` rows of the held-out set (the copy task draws its own, other seed)."""
+    """The first `eval.num_prompts` rows of the held-out set (the copy and arith tasks draw their own,
+    from another seed)."""
     if cfg.data.task == "copy" and not cfg.eval.path:
         return copy_dataset(cfg.eval.num_prompts, seed=cfg.run.seed + 104_729, alphabet=cfg.data.alphabet,
                             min_len=cfg.data.min_len, max_len=cfg.data.max_len)
+    if cfg.data.task == "arith" and not cfg.eval.path:
+        from asyncrl.arith import eval_set
+
+        return eval_set(cfg)  # another seed, none of the training problems
     from asyncrl.data import load_dataset_from_config
 
     return load_dataset_from_config(cfg.data, path=eval_set_path(cfg), limit=cfg.eval.num_prompts)

@@ -15,6 +15,7 @@ import logging
 import re
 from collections.abc import Callable
 
+from asyncrl.arith import arith_reward
 from asyncrl.math_reward import MathReward, gsm8k_reward
 from asyncrl.tasks import copy_reward
 
@@ -43,6 +44,7 @@ class FormatReward:
 
 
 REGISTRY: dict[str, RewardFn] = {
+    "arith": arith_reward,
     "copy": copy_reward,
     "exact_match": exact_match_reward,
     "gsm8k": gsm8k_reward,

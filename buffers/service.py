@@ -45,6 +45,10 @@ def load_prompts(cfg: Config) -> list[PromptRecord]:
     if cfg.data.task == "copy":
         return copy_dataset(cfg.data.num_prompts, seed=cfg.run.seed, alphabet=cfg.data.alphabet,
                             min_len=cfg.data.min_len, max_len=cfg.data.max_len)
+    if cfg.data.task == "arith":
+        from asyncrl.arith import train_set
+
+        return train_set(cfg)
     if cfg.data.task in ("gsm8k", "prompts"):
         from asyncrl.data import load_dataset_from_config
 
