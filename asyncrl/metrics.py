@@ -182,6 +182,39 @@ def fleet_metrics(client, keys) -> dict[str, float]:
     return row
 
 
+class FleetTokenRate:
+    """Generated tokens per second of the whole fleet over the last `window_s` seconds of wall time,
+    from the cumulative `tokens` counters the generators publish in their heartbeats.
+
+    Why not the sum of the heartbeats' `tokens_per_s`: that is each generator's rate over its last
+    heartbeat interval (1 s), and its counter moves only when a whole group finishes, so when groups
+    take longer than that (a real model on CPU, long completions) nearly every interval has no group
+    finishing and the sum read 0.0 at every step. A generator first seen, or whose counter went
+    down (it restarted), is taken to have started after the previous update: its tokens count from 0.
+    """
+
+    def __init__(self, start: float, window_s: float = 30.0):
+        from collections import deque
+
+        self.window_s = window_s
+        self.counters: dict[str, float] = {}  # the last counter seen per generator (gone ones kept)
+        self.total = 0.0  # fleet tokens since `start`
+        self.history = deque([(start, 0.0)])  # (monotonic time, total)
+
+    def update(self, counters: dict[str, float], now: float) -> float:
+        """Tokens per second over the window ending at `now` (monotonic seconds)."""
+        for gid, tokens in counters.items():
+            prev = self.counters.get(gid, 0.0)
+            self.total += tokens - prev if tokens >= prev else tokens
+            self.counters[gid] = tokens
+        self.history.append((now, self.total))
+        # The left edge is the newest sample at least `window_s` old, so the window spans it whole.
+        while len(self.history) > 2 and self.history[1][0] <= now - self.window_s:
+            self.history.popleft()
+        t0, total0 = self.history[0]
+        return (self.total - total0) / (now - t0) if now > t0 else 0.0
+
+
 def reward_stats(rewards: list[float]) -> dict[str, float]:
     """Mean, spread and quantiles of one batch's rewards: the reward distribution over time."""
     import numpy as np

@@ -596,12 +596,19 @@ class Learner:
             for s in g.samples:
                 lags.extend((trained_version - schema.unpack_i32(s.versions)).tolist())
         rewards = [s.reward for g in groups for s in g.samples]
-        gen_tps, gen_info = 0.0, []
+        gen_info = []
         for key in self.client.scan_iter(self.keys.gen_pattern, count=1000):
             info = self.client.hgetall(key)
             if info:
-                gen_tps += float(info.get(b"tokens_per_s", 0))
                 gen_info.append(info)
+        if getattr(self, "gen_rate", None) is None:
+            from asyncrl.metrics import FleetTokenRate
+
+            self.gen_rate = FleetTokenRate(start=self.t_start)
+        counters = {info[b"id"].decode(): float(info.get(b"tokens", 0)) for info in gen_info}
+        if self.resumed_from and not self.gen_rate.counters:
+            self.gen_rate.counters = dict(counters)  # made before this learner started: not in its window
+        gen_tps = self.gen_rate.update(counters, time.monotonic())
         elapsed = time.monotonic() - self.t_start
         depth = group_lag(self.client, self.keys.trajectories, LEARNER_GROUP)
         row = {
