@@ -2,7 +2,7 @@
 
 A problem is `a OP b` with OP drawn from `data.arith_ops` (`+`, `-`, `*`) and each operand a number
 of `data.arith_min_digits`..`data.arith_max_digits` digits (one digit: 0-9; n digits: 10^(n-1) to
-10^n - 1), asked through `data.arith_prompt` (by default "What is 47 + 38? Answer with the number
+10^n - 1; with `data.arith_nonnegative` a subtraction never goes below zero), asked through `data.arith_prompt` (by default "What is 47 + 38? Answer with the number
 only."; with `data.chat_template=true` it goes through the model's chat template). Training prompts
 are drawn from `run.seed`; the held-out evaluation set from another seed, without the training
 problems where the problem space leaves enough others.
@@ -53,9 +53,11 @@ def check_settings(ops: str, min_digits: int, max_digits: int, prompt: str) -> l
 
 
 def arith_problems(num_rows: int, seed: int, ops: str = "+-", min_digits: int = 2, max_digits: int = 2,
+                   nonnegative: bool = False,
                    exclude: set[tuple[int, str, int]] | None = None) -> list[tuple[int, str, int]]:
-    """`num_rows` problems (a, op, b) drawn from `seed`; those in `exclude` are skipped while the
-    problem space has others (a bounded number of redraws, then they are allowed, with a warning)."""
+    """`num_rows` problems (a, op, b) drawn from `seed`; `nonnegative` swaps the operands of a
+    subtraction whose result would be negative. Those in `exclude` are skipped while the problem
+    space has others (a bounded number of redraws, then they are allowed, with a warning)."""
     rng = random.Random(seed)
     exclude = exclude or set()
     problems, redraws = [], 0
@@ -63,6 +65,8 @@ def arith_problems(num_rows: int, seed: int, ops: str = "+-", min_digits: int = 
         op = rng.choice(ops)
         a = rng.randint(*operand_range(rng.randint(min_digits, max_digits)))
         b = rng.randint(*operand_range(rng.randint(min_digits, max_digits)))
+        if nonnegative and op == "-" and a < b:
+            a, b = b, a
         if (a, op, b) in exclude and redraws < 20 * num_rows:
             redraws += 1
             continue
@@ -83,7 +87,7 @@ def arith_records(problems: list[tuple[int, str, int]], seed: int,
 
 def _settings(data_cfg) -> dict:
     return {"ops": data_cfg.arith_ops, "min_digits": data_cfg.arith_min_digits,
-            "max_digits": data_cfg.arith_max_digits}
+            "max_digits": data_cfg.arith_max_digits, "nonnegative": data_cfg.arith_nonnegative}
 
 
 def train_set(cfg) -> list[PromptRecord]:

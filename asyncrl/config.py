@@ -92,6 +92,7 @@ class DataConfig:
     arith_ops: str = "+-"
     arith_min_digits: Annotated[int, Range(ge=1, le=9)] = 2
     arith_max_digits: Annotated[int, Range(ge=1, le=9)] = 2
+    arith_nonnegative: bool = False  # a - b with a >= b (operands swapped where needed)
     arith_prompt: str = "What is {a} {op} {b}? Answer with the number only."
     # gsm8k / prompts: a parquet or jsonl file (`asyncrl data gsm8k` writes train/test parquet).
     path: str = ""

@@ -24,6 +24,9 @@ def test_problems_follow_ops_and_digits():
     digits = {len(str(a)) for a, _, _ in one} | {len(str(b)) for _, _, b in one}
     assert digits == {1, 2, 3} and {op for _, op, _ in one} == {"*"}
     assert operand_range(1) == (0, 9) and operand_range(3) == (100, 999)
+    assert any(a < b for a, op, b in problems if op == "-")
+    nonneg = arith_problems(500, seed=3, ops="+-", min_digits=2, max_digits=2, nonnegative=True)
+    assert all(a >= b for a, op, b in nonneg if op == "-") and len({op for _, op, _ in nonneg}) == 2
 
 
 def test_records_ask_for_the_number_and_hold_the_exact_answer():
