@@ -26,6 +26,21 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> torch.
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def aggregate_normalised(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, num_tokens: int,
+                         num_seqs: int) -> torch.Tensor:
+    """This part's share of `aggregate` over a larger batch of `num_tokens` valid tokens and
+    `num_seqs` sequences that it is a slice of (a micro-batch of a mini-batch, one rank's part):
+    sum the parts and get `aggregate` of the whole, whatever the split (whole sequences per part)."""
+    masked = loss_BT * mask_BT
+    if mode == "token_mean":
+        return masked.sum() / max(num_tokens, 1)
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / max(num_seqs, 1)
+    if mode == "seq_mean_token_mean":
+        return (masked.sum(dim=1) / mask_BT.sum(dim=1).clamp(min=1)).sum() / max(num_seqs, 1)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float,
                    chunk: int = 1024) -> torch.Tensor:
     """log softmax(logits / temperature) at `targets`, computed in fp32 over row chunks so the full

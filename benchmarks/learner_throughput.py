@@ -2,6 +2,8 @@
 
     python benchmarks/learner_throughput.py --out runs/learner_throughput.json          # one H200
     python benchmarks/learner_throughput.py --device cpu --tiny                          # smoke test
+    python benchmarks/learner_throughput.py --ragged --shapes 1.5b --num-seqs 512,2048   # RL-shaped batches
+    python benchmarks/learner_throughput.py --ragged --device cpu --tiny                 # its smoke test
 
 Variants, each on random weights from a Qwen2Config of the named shape, bf16 matmuls, SDPA attention:
   plain       bf16 model, `model(input_ids, labels=input_ids).loss.backward()`, torch.optim.AdamW
@@ -28,6 +30,14 @@ attention (each query sees s/2 keys on average):
 Recomputation (the chunked head's backward recomputes its logits) is work done but not counted.
 MFU = counted FLOPs / step time / peak, the peak being a bf16 8192^3 matmul on random data
 measured in the same run.
+
+--ragged: the learner's whole step as `Learner.train_step` runs it (learners/batch.py `build_step`,
+learners/packing.py `plan_step`, reference log-probs over the micro-batches, `batch_targets`,
+`policy_update` with token-budget micro-batches and gradient accumulation), on batches shaped like
+RL: prompts uniform in [100, 300] tokens, completions lognormal (median 300) clipped to [32, 2048],
+`--num-seqs` sequences a step; next to `uniform`: the same number of real tokens in sequences of
+`--uniform-seq` tokens (prompt = seq / 8), through the same code. Reported: real tokens (prompt +
+completion) per second, the ratio ragged / uniform, pad fraction, micro-batches, peak memory.
 """
 
 from __future__ import annotations
@@ -183,11 +193,13 @@ def setup_rl(shape, device, batch, seq, opts):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from asyncrl.config import Config
-    from learners.batch import build_batch
-    from learners.step import policy_update, reference_logprobs
+    from learners.batch import build_step
+    from learners.packing import plan_step
+    from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
 
     cfg = Config()
     cfg.learner.keep_logits_gb = 16.0 if "keep" in opts else 0.0
+    cfg.learner.packing = False  # uniform rows: one padded micro-batch of the whole batch, no padding in it
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = build_model(shape, torch.float32, device)
@@ -207,23 +219,26 @@ def setup_rl(shape, device, batch, seq, opts):
                             fused=device.type == "cuda")
     prompt_len = max(1, seq // 8)
     groups = make_groups(batch, seq, prompt_len=prompt_len, vocab=policy.config.vocab_size, seed=0)
-    b = build_batch(groups, 0, device=device)
-    assert tuple(b.input_ids_BL.shape) == (batch, seq)
-    share = 1.0  # world size 1: this rank holds all the tokens
+    b = build_step(groups, device=device)
+    plan = plan_step(b.group_sizes, b.lengths, b.comp_len, world=1, minibatches=1, epochs=1, budget=batch * seq,
+                     packed=False, seed=0)
+    micro = rank_micro_batches(plan, 0)
+    assert len(micro) == 1 and len(micro[0]) == batch
     last = {}
 
     def step():
-        ref_logp = reference_logprobs(ref, b, cfg.generator.temperature)
-        last.update(policy_update(policy, opt, b, cfg, share, ref_logp_BT=ref_logp, kl_coef=0.0))
-        last["ref_logp_mean"] = float((ref_logp * b.loss_mask_BT).sum() / b.loss_mask_BT.sum())
+        ref_logp = logprobs_N(ref, b, micro, cfg, 0)
+        targets = batch_targets(policy, b, plan, cfg, 0, ref_logp)
+        last.update(policy_update(policy, opt, b, plan, cfg, targets))
+        last["ref_logp_mean"] = float(ref_logp.mean())
 
     def phases():
         """CUDA-event times of the two halves of one step: reference forward, policy update."""
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         ev[0].record()
-        ref_logp = reference_logprobs(ref, b, cfg.generator.temperature)
+        ref_logp = logprobs_N(ref, b, micro, cfg, 0)
         ev[1].record()
-        policy_update(policy, opt, b, cfg, share, ref_logp_BT=ref_logp, kl_coef=0.0)
+        policy_update(policy, opt, b, plan, cfg, batch_targets(policy, b, plan, cfg, 0, ref_logp))
         ev[2].record()
         torch.cuda.synchronize()
         return {"ref_forward_s": ev[0].elapsed_time(ev[1]) / 1e3, "policy_update_s": ev[1].elapsed_time(ev[2]) / 1e3}
@@ -234,6 +249,152 @@ def setup_rl(shape, device, batch, seq, opts):
     head_train, head_fwd = head_flops_per_token(policy)
     flops = (train_f + fwd_f) * batch * seq + (head_train + head_fwd) * b.num_tokens
     return step, flops, (policy, last)
+
+
+def ragged_groups(num_seqs: int, vocab: int, seed: int, n: int = 8, uniform_seq: int = 0,
+                  total_tokens: int = 0):
+    """`num_seqs` sequences in groups of `n`: RL-shaped lengths, or (uniform_seq > 0) sequences of
+    uniform_seq tokens, as many as hold `total_tokens` real tokens (rounded up to whole groups)."""
+    import numpy as np
+
+    from asyncrl import schema
+
+    rng = np.random.default_rng(seed)
+    if uniform_seq:
+        num_seqs = max(n, math.ceil(total_tokens / uniform_seq / n) * n)
+    groups = []
+    for gi in range(num_seqs // n):
+        p_len = uniform_seq // 8 if uniform_seq else int(rng.integers(100, 301))
+        comps = [uniform_seq - p_len] * n if uniform_seq else \
+            np.clip(rng.lognormal(math.log(300), 0.9, n), 32, 2048).astype(int).tolist()
+        samples = [schema.Sample(
+            completion_ids=schema.pack_i32(rng.integers(3, vocab, c)), logprobs=schema.pack_f32(-rng.exponential(1.0, c)),
+            versions=schema.pack_i32(np.zeros(c, dtype=np.int32)), reward=float(rng.random()), finish_reason="stop")
+            for c in comps]
+        groups.append(schema.TrajectoryGroup(
+            schema_version=schema.SCHEMA_VERSION, group_id=f"p{gi}@e0", prompt_id=f"p{gi}", generator_id="bench",
+            prompt_ids=schema.pack_i32(rng.integers(3, vocab, p_len)), samples=samples,
+            sampling=schema.SamplingInfo(1.0, 1.0, -1), created_at=time.time()))
+    return groups
+
+
+def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dict:
+    """One learner step as the learner runs it, on ragged or uniform sequences (see the docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from asyncrl.config import Config
+    from learners import packing
+    from learners.batch import build_step
+    from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
+
+    cfg = Config()
+    cfg.learner.keep_logits_gb = args.keep_logits_gb
+    cfg.learner.packing = kind != "padded"
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    policy = build_model(shape, torch.float32, device)
+    ref = copy.deepcopy(policy).to(compute).requires_grad_(False)
+    if args.checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in policy.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    attention = "sdpa (padded)"
+    if cfg.learner.packing:
+        for m in (policy, ref):
+            attention = packing.packed_attention(m, device, compute)
+    budget = args.micro_tokens or packing.default_micro_batch_tokens(policy.config, device, compute, args.checkpointing)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=device.type == "cuda")
+    vocab = policy.config.vocab_size
+    groups = ragged_groups(num_seqs, vocab, seed=0, uniform_seq=args.uniform_seq if kind != "ragged" else 0,
+                           total_tokens=total_tokens)
+    last = {}
+
+    def step():
+        st = build_step(groups, device)
+        plan = packing.plan_step(st.group_sizes, st.lengths, st.comp_len, world=1, minibatches=1, epochs=1,
+                                 budget=budget, packed=cfg.learner.packing, seed=0)
+        micro = rank_micro_batches(plan, 0)
+        ref_n = logprobs_N(ref, st, micro, cfg, 0)
+        targets = batch_targets(policy, st, plan, cfg, 0, ref_n)
+        last.update(policy_update(policy, opt, st, plan, cfg, targets, 0, 1, 0))
+        last["micro_batches"] = plan.micro_batches(0)
+        lengths = st.lengths
+        processed = sum(sum(lengths[s] for s in b) if cfg.learner.packing else len(b) * max(lengths[s] for s in b)
+                        for b in micro if b)
+        last["pad_frac"] = 1 - sum(lengths) / processed
+        return st
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        st = step()
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    real = sum(st.lengths)
+    c = policy.config
+    body_train, body_fwd = flops_per_token(policy, 0, head=False)
+    attn = sum(c.num_hidden_layers * n * c.num_attention_heads * c.head_dim * n for n in st.lengths)
+    head_train, head_fwd = head_flops_per_token(policy)
+    flops = (body_train + body_fwd) * real + 8 * attn + (head_train + head_fwd) * st.num_tokens
+    row = {"variant": kind, "shape": shape, "num_seqs": st.num_seqs, "real_tokens": real,
+           "completion_tokens": st.num_tokens, "micro_batch_tokens": budget, "attention": attention,
+           "micro_batches": last["micro_batches"], "pad_frac": last["pad_frac"], "step_s_median": med,
+           "step_s_all": times, "real_tokens_per_s": real / med, "tflops_per_s": flops / med / 1e12,
+           "mfu": flops / med / peak,
+           "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+           "loss": last.get("loss"), "grad_norm": last.get("grad_norm")}
+    return row
+
+
+def main_ragged(args, device, peak, meta) -> int:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        for n in [int(x) for x in args.num_seqs.split(",")]:
+            ragged = None
+            for kind in ("ragged", "uniform"):
+                try:
+                    row = run_ragged(kind, shape, device, n, args, peak,
+                                     total_tokens=ragged["real_tokens"] if ragged else 0)
+                    if kind == "ragged":
+                        ragged = row
+                    else:
+                        row["ragged_over_uniform"] = ragged["real_tokens_per_s"] / row["real_tokens_per_s"]
+                        ragged["ragged_over_uniform"] = row["ragged_over_uniform"]
+                except Exception as e:
+                    traceback.print_exc()
+                    row = {"variant": kind, "shape": shape, "num_seqs": n, "error": f"{type(e).__name__}: {e}"[:500]}
+                    if kind == "ragged":
+                        break
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "step_s_all"}), flush=True)
+                out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print(f"\npeak (measured bf16 8192^3 matmul): {meta['peak_bf16_matmul_tflops']:.0f} TFLOP/s on {meta['device']}")
+    print(f"| {'shape':5} | {'variant':8} | {'seqs':>5} | {'real tok':>9} | {'micro':>5} | {'pad':>5} | {'step s':>7} | "
+          f"{'real tok/s':>10} | {'MFU':>5} | {'/uniform':>8} | {'mem GiB':>7} |")
+    print("|" + "|".join("-" * w for w in (7, 10, 7, 11, 7, 7, 9, 12, 7, 10, 9)) + "|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']:5} | {r['variant']:8} | {r['num_seqs']:5} | failed: {r['error'][:80]}")
+            continue
+        mem = f"{r['max_mem_gib']:.1f}" if r["max_mem_gib"] is not None else "-"
+        ratio = f"{r['ragged_over_uniform']:.2f}" if "ragged_over_uniform" in r else "-"
+        print(f"| {r['shape']:5} | {r['variant']:8} | {r['num_seqs']:5} | {r['real_tokens']:9} | {r['micro_batches']:5} | "
+              f"{r['pad_frac']:5.3f} | {r['step_s_median']:7.3f} | {r['real_tokens_per_s']:10.0f} | "
+              f"{100 * r['mfu']:4.1f}% | {ratio:>8} | {mem:>7} |")
+    return 0 if all("error" not in r for r in rows) else 1
 
 
 def profile_step(step) -> dict:
@@ -332,9 +493,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="runs/learner_throughput.json")
     p.add_argument("--profile", action="store_true", help="also profile one step of each variant (CUDA)")
+    p.add_argument("--ragged", action="store_true", help="RL-shaped batches through the learner's whole step")
+    p.add_argument("--num-seqs", default="512,2048", help="--ragged: sequences a step")
+    p.add_argument("--uniform-seq", type=int, default=2048, help="--ragged: length of the uniform sequences")
+    p.add_argument("--micro-tokens", type=int, default=0, help="--ragged: learner.micro_batch_tokens (0: default)")
+    p.add_argument("--keep-logits-gb", type=float, default=0.0, help="--ragged: learner.keep_logits_gb")
+    p.add_argument("--checkpointing", action="store_true", help="--ragged: activation checkpointing")
     args = p.parse_args(argv)
     if args.tiny:
         args.shapes, args.seqs, args.tokens, args.extra_seqs = "tiny", "32,64", 256, args.extra_seqs and "64"
+        if args.ragged:
+            args.num_seqs, args.uniform_seq, args.warmup, args.steps = "16,32", 512, 1, 2
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -351,6 +520,10 @@ def main(argv=None) -> int:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "peak_bf16_matmul_tflops": peak / 1e12, "argv": sys.argv[1:]}
     print(json.dumps(meta), flush=True)
+    if args.ragged:
+        rc = main_ragged(args, device, peak, meta)
+        dist.destroy_process_group()
+        return rc
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -1,4 +1,10 @@
-"""Turning trajectory groups into padded training tensors (B = sequences, L = prompt + completion)."""
+"""Turning trajectory groups into training tensors.
+
+`build_step` holds a learner step's sequences on every rank, with per-token arrays flat over the
+completion tokens of all of them (N, in sequence order); `micro_batch` makes the model inputs of a
+few of them, packed in one row or padded, and maps its rows back into N. `build_batch` is the
+padded whole-batch form (B = sequences, L = prompt + completion) that log-prob tests use.
+"""
 
 from __future__ import annotations
 
@@ -67,3 +73,176 @@ def build_batch(groups: list[schema.TrajectoryGroup], pad_id: int, device) -> Ba
                  rewards_B=torch.tensor(rewards, device=device),
                  loss_index_N=loss_mask.reshape(-1).nonzero().squeeze(1).to(device),
                  group_size=sizes.pop() if len(sizes := {len(g.samples) for g in groups}) == 1 else 0)
+
+
+@dataclass
+class StepBatch:
+    """A learner step's sequences (S of them, groups in order) on every rank. Per-token arrays are
+    flat over the completion tokens of all sequences (N): sequence s owns [comp_start[s],
+    comp_start[s] + comp_len[s])."""
+
+    tokens: list[np.ndarray]  # prompt + completion ids of each sequence
+    prompt_len: list[int]
+    comp_len: list[int]
+    group_sizes: list[int]
+    rewards_S: torch.Tensor
+    behav_N: torch.Tensor
+    versions_N: torch.Tensor
+    seq_of_N: torch.Tensor  # the sequence each completion token belongs to
+    comp_start: list[int]
+    device: torch.device
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens of the step (what the loss sees)."""
+        return int(self.behav_N.numel())
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    @property
+    def group_size(self) -> int:
+        """Samples per group; 0 when groups differ in size."""
+        return sizes.pop() if len(sizes := set(self.group_sizes)) == 1 else 0
+
+    def grid(self, flat_N: torch.Tensor) -> torch.Tensor:
+        """S x Tmax (Tmax = the longest completion), zero past each sequence's end."""
+        out = torch.zeros(self.num_seqs * self.max_comp, dtype=flat_N.dtype, device=flat_N.device)
+        return out.index_copy(0, self.grid_index_N, flat_N).view(self.num_seqs, self.max_comp)
+
+    def flat(self, grid_ST: torch.Tensor) -> torch.Tensor:
+        return grid_ST.reshape(-1).index_select(0, self.grid_index_N)
+
+    @property
+    def max_comp(self) -> int:
+        return max(self.comp_len, default=0)
+
+    @property
+    def grid_index_N(self) -> torch.Tensor:
+        if getattr(self, "_grid_index", None) is None:
+            t = self.max_comp
+            idx = [s * t + j for s, n in enumerate(self.comp_len) for j in range(n)]
+            self._grid_index = torch.tensor(idx, dtype=torch.long, device=self.device)
+        return self._grid_index
+
+
+def build_step(groups: list[schema.TrajectoryGroup], device) -> StepBatch:
+    tokens, prompt_len, comp_len, behav, vers, rewards, seq_of = [], [], [], [], [], [], []
+    for g in groups:
+        prompt = schema.unpack_i32(g.prompt_ids)
+        for s in g.samples:
+            comp = schema.unpack_i32(s.completion_ids)
+            tokens.append(np.concatenate([prompt, comp]).astype(np.int64))
+            prompt_len.append(len(prompt))
+            comp_len.append(len(comp))
+            behav.append(schema.unpack_f32(s.logprobs))
+            vers.append(schema.unpack_i32(s.versions))
+            seq_of.append(np.full(len(comp), len(tokens) - 1, dtype=np.int64))
+            rewards.append(s.reward)
+    starts = np.concatenate([[0], np.cumsum(comp_len)[:-1]]).astype(int).tolist() if comp_len else []
+
+    def cat(xs, dt):
+        return torch.from_numpy(np.concatenate(xs).astype(dt)) if xs else torch.zeros(0)
+
+    return StepBatch(tokens=tokens, prompt_len=prompt_len, comp_len=comp_len,
+                     group_sizes=[len(g.samples) for g in groups],
+                     rewards_S=torch.tensor(rewards, dtype=torch.float32, device=device),
+                     behav_N=cat(behav, np.float32).to(device), versions_N=cat(vers, np.int64).to(device),
+                     seq_of_N=cat(seq_of, np.int64).to(device), comp_start=starts, device=torch.device(device))
+
+
+@dataclass
+class MicroBatch:
+    """The model inputs of a few sequences of a step and where their completion tokens go.
+
+    `input_ids` is 1 x L (packed: sequences back to back, `position_ids` restarting at each, and
+    `attn_kwargs` with the sequence boundaries for varlen attention) or b x L (padded, with
+    `attention_mask`). `rows` are flat indices into the (rows x (L-1)) grid of next-token
+    positions that predict completion tokens, in the order of `flat_N` (their indices into the
+    step's N arrays). Loss tensors are b x T (`grid`): T the longest completion of the micro-batch."""
+
+    seqs: list[int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    attn_kwargs: dict
+    rows: torch.Tensor
+    flat_N: torch.Tensor
+    grid_index: torch.Tensor
+    mask_bT: torch.Tensor
+    real_tokens: int
+    padded_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens in the loss."""
+        return int(self.rows.numel()) if self.seqs else 0
+
+    def grid(self, flat_n: torch.Tensor) -> torch.Tensor:
+        b, t = self.mask_bT.shape
+        out = torch.zeros(b * t, dtype=flat_n.dtype, device=flat_n.device)
+        return out.index_copy(0, self.grid_index, flat_n).view(b, t)
+
+
+def micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> MicroBatch:
+    """Inputs for `seqs` (indices into the step). Empty `seqs`: one two-token row of padding whose
+    single position is computed but weighs nothing (a rank with nothing to do still runs the
+    forward and backward that FSDP's collectives need)."""
+    dev = step.device
+    if not seqs:
+        ids = torch.full((1, 2), pad_id, dtype=torch.long, device=dev)
+        pos = torch.arange(2, device=dev)[None]
+        cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        return MicroBatch(seqs=[], input_ids=ids, attention_mask=None if packed else torch.ones_like(ids),
+                          position_ids=pos if packed else None,
+                          attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 2, "max_length_k": 2}
+                          if packed else {}, rows=zero, flat_N=zero if step.num_tokens else zero[:0],
+                          grid_index=zero, mask_bT=torch.zeros((1, 1), device=dev), real_tokens=0, padded_tokens=2)
+    comp = [step.comp_len[s] for s in seqs]
+    t_max = max(max(comp), 1)
+    grid_index = [i * t_max + j for i, n in enumerate(comp) for j in range(n)]
+    flat = [step.comp_start[s] + j for s, n in zip(seqs, comp, strict=True) for j in range(n)]
+    lens = [len(step.tokens[s]) for s in seqs]
+    if packed:
+        ids = np.concatenate([step.tokens[s] for s in seqs])
+        total = len(ids)
+        pos = np.concatenate([np.arange(n) for n in lens])
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
+        # Completion token j of a sequence at row offset o sits at o + prompt + j and is predicted
+        # at o + prompt + j - 1; rows index the 1 x (L-1) grid of predicting positions.
+        rows = [o + step.prompt_len[s] - 1 + j for s, o, n in zip(seqs, offsets, comp, strict=True) for j in range(n)]
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
+        return MicroBatch(seqs=list(seqs), input_ids=torch.from_numpy(ids)[None].to(dev), attention_mask=None,
+                          position_ids=torch.from_numpy(pos)[None].to(dev),
+                          attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lens),
+                                       "max_length_k": max(lens)},
+                          rows=torch.tensor(rows, dtype=torch.long, device=dev),
+                          flat_N=torch.tensor(flat, dtype=torch.long, device=dev),
+                          grid_index=torch.tensor(grid_index, dtype=torch.long, device=dev),
+                          mask_bT=_mask(comp, t_max, dev), real_tokens=total, padded_tokens=0)
+    L = max(lens)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    rows = []
+    for i, s in enumerate(seqs):
+        ids[i, : lens[i]] = torch.from_numpy(step.tokens[s])
+        attn[i, : lens[i]] = 1
+        rows += [i * (L - 1) + step.prompt_len[s] - 1 + j for j in range(comp[i])]
+    return MicroBatch(seqs=list(seqs), input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=None,
+                      attn_kwargs={}, rows=torch.tensor(rows, dtype=torch.long, device=dev),
+                      flat_N=torch.tensor(flat, dtype=torch.long, device=dev),
+                      grid_index=torch.tensor(grid_index, dtype=torch.long, device=dev),
+                      mask_bT=_mask(comp, t_max, dev), real_tokens=sum(lens), padded_tokens=len(seqs) * L - sum(lens))
+
+
+def _mask(comp: list[int], t_max: int, dev) -> torch.Tensor:
+    m = torch.zeros((len(comp), t_max), dtype=torch.float32)
+    for i, n in enumerate(comp):
+        m[i, :n] = 1
+    return m.to(dev)

@@ -7,7 +7,8 @@ some architectures; and it does not hold the unused V x H output projection. Und
 sharded like the policy (each decoder layer, then the root with embeddings, final norm and head).
 
 Alignment: values_BT[b, j] = V(prefix up to token j), the value of the state in which token j+1 is
-sampled, so it lines up with the batch's targets_BT / loss_mask_BT (learners/batch.py).
+sampled, so it lines up with the batch's targets_BT / loss_mask_BT (learners/batch.py); for a
+micro-batch, the values at its `rows` are those of its completion tokens.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from asyncrl.advantages import value_loss
+from learners.batch import micro_batch
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
-    from learners.batch import Batch
+    from learners.batch import Batch, MicroBatch, StepBatch
+    from learners.packing import StepPlan
 
 
 class ValueModel(nn.Module):
@@ -41,10 +43,11 @@ class ValueModel(nn.Module):
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor) -> torch.Tensor:
-        """Values at every position, B x L, fp32."""
+    def forward(self, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None,
+                position_ids_BL: torch.Tensor | None = None, **attn_kwargs) -> torch.Tensor:
+        """Values at every position, B x L, fp32 (packed rows: `position_ids_BL` and `attn_kwargs`)."""
         hidden_BLH = self.backbone(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
-                                   use_cache=False).last_hidden_state
+                                   position_ids=position_ids_BL, use_cache=False, **attn_kwargs).last_hidden_state
         # h . w + b in fp32 as one fresh tensor (an FSDP2 root must not return a view, as squeeze gives).
         w, b = self.value_head.weight[0].float(), self.value_head.bias.float()
         return hidden_BLH.float() @ w + b
@@ -64,11 +67,21 @@ def values_BT(critic: nn.Module, batch: Batch) -> torch.Tensor:
     return critic(batch.input_ids_BL, batch.attention_mask_BL)[:, :-1] * batch.loss_mask_BT
 
 
-def old_values(critic: nn.Module, batch: Batch) -> torch.Tensor:
-    """The behaviour batch's values before any update of this step (no graph)."""
+def micro_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """V at a micro-batch's completion-predicting positions, flat in the order of its `flat_N`."""
+    v_BL = critic(mb.input_ids, mb.attention_mask, mb.position_ids, **mb.attn_kwargs)
+    B, L = v_BL.shape
+    return v_BL.reshape(-1).index_select(0, mb.rows + mb.rows // (L - 1))
+
+
+def old_values(critic: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config, rank: int = 0,
+               pad_id: int = 0) -> torch.Tensor:
+    """The behaviour batch's values before any update of this step (no graph), N floats on every rank."""
+    from learners.step import forward_N, rank_micro_batches
+
     critic.eval()
-    with torch.no_grad():
-        return values_BT(critic, batch)
+    return forward_N(lambda mb: micro_values(critic, mb), step, rank_micro_batches(plan, rank), cfg.learner.packing,
+                     pad_id)
 
 
 def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
@@ -82,41 +95,59 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
     return float(1.0 - (ret - v).var() / var) if var > 0 else 0.0
 
 
-def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, old_values_BT: torch.Tensor,
-                  returns_BT: torch.Tensor, cfg: Config, loss_scale: float, scheduler=None) -> dict[str, float]:
-    """`learner.ppo_epochs * learner.minibatches` updates of the PPO clipped value loss, like the policy.
+def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan,
+                  old_values_N: torch.Tensor, returns_N: torch.Tensor, cfg: Config, rank: int = 0, world: int = 1,
+                  pad_id: int = 0, scheduler=None) -> dict[str, float]:
+    """The PPO clipped value loss over the same mini- and micro-batches as the policy (`plan`), one
+    optimizer step per mini-batch, the token mean normalised over each whole mini-batch (as in
+    `policy_update`).
 
-    `loss_scale` is the rank's token share (as in `policy_update`). Stats: the value loss of the first
-    update (the critic as it scored the batch), the fraction of tokens where the clipped term was the
-    larger one (0 on a first update, where V = V_old), explained variance and mean of the old values.
+    Stats: this rank's part of the mean mini-batch value loss of the first epoch (the critic as it
+    scored the batch on a first update; the ranks' parts add up to it), the fraction of this rank's
+    tokens where the clipped term was the larger one, explained variance and mean of the old values
+    (the whole step's), and the first update's gradient norm.
     """
+    from asyncrl.algorithms import aggregate_normalised
+
     alg, lc = cfg.algorithm, cfg.learner
     clip = alg.value_clip or float("inf")  # 0: off
-    mask = batch.loss_mask_BT
-    m = mask.bool()
     critic.train()
-    losses, clip_fracs, grad_norm = [], [], None
-    for _ in range(lc.ppo_epochs * lc.minibatches):
-        v = values_BT(critic, batch)
-        loss = value_loss(v, old_values_BT, returns_BT, mask, clip)
-        (loss * loss_scale).backward()
-        norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), lc.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
-        if grad_norm is None:
-            grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        with torch.no_grad():
-            losses.append(float(loss.detach()))
-            clipped = old_values_BT + (v.detach() - old_values_BT).clamp(-clip, clip)
-            wins = (clipped - returns_BT) ** 2 > (v.detach() - returns_BT) ** 2
-            clip_fracs.append(float(wins[m].float().mean()) if m.any() else 0.0)
+    parts, grad_norm = [], None
+    wins_sum = torch.zeros((), device=step.device)
+    n_tok = 0
+    for epoch, minibatches in enumerate(plan.epochs):
+        for mbatch in minibatches:
+            part = torch.zeros((), device=step.device)
+            for seqs in mbatch.micro[rank]:
+                mb = micro_batch(step, seqs, lc.packing, pad_id)
+                v = mb.grid(micro_values(critic, mb))
+                old, ret, mask = mb.grid(old_values_N[mb.flat_N]), mb.grid(returns_N[mb.flat_N]), mb.mask_bT
+                clipped = old + (v - old).clamp(-clip, clip)
+                err = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+                loss = aggregate_normalised(err, mask, "token_mean", mbatch.num_tokens, mbatch.num_seqs)
+                (loss * world).backward()
+                part += loss.detach()
+                if epoch == 0 and mb.num_tokens:
+                    with torch.no_grad():
+                        wins = ((clipped.detach() - ret) ** 2 > (v.detach() - ret) ** 2) & mask.bool()
+                        wins_sum = wins_sum + wins.sum()
+                        n_tok += mb.num_tokens
+            norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), lc.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            if grad_norm is None:
+                grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if epoch == 0:
+                parts.append(part)
+    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
+    old_ST, ret_ST = step.grid(old_values_N), step.grid(returns_N)
     return {
-        "value_loss": losses[0],
-        "value_clip_frac": sum(clip_fracs) / len(clip_fracs),
-        "value_explained_var": explained_variance(old_values_BT, returns_BT, mask),
-        "value_mean": float(old_values_BT[m].mean()) if m.any() else 0.0,
-        "returns_mean": float(returns_BT[m].mean()) if m.any() else 0.0,
+        "value_loss": float(torch.stack(parts).mean()),
+        "value_clip_frac": float(wins_sum) / max(n_tok, 1),
+        "value_explained_var": explained_variance(old_ST, ret_ST, mask_ST),
+        "value_mean": float(old_values_N.mean()) if old_values_N.numel() else 0.0,
+        "returns_mean": float(returns_N.mean()) if returns_N.numel() else 0.0,
         "value_grad_norm": float(grad_norm),
     }

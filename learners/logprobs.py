@@ -196,12 +196,14 @@ def _output_head(model: nn.Module) -> nn.Linear:
 
 def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, temperature: float,
                             chunk_rows: int | None = None, rows_BT: torch.Tensor | None = None,
-                            keep_logits_bytes: int = 0) -> torch.Tensor:
+                            keep_logits_bytes: int = 0, position_ids_BL: torch.Tensor | None = None,
+                            attn_kwargs: dict | None = None, flat: bool = False) -> torch.Tensor:
     # Runs as an FSDP2 forward method: the root's parameters (embeddings, final norm, output head; a
     # tied head shares the embedding weight) are unsharded here and their grads reduced afterwards.
     head = _output_head(self)
     hidden_BLH = self.get_decoder()(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
-                                    use_cache=False).last_hidden_state
+                                    position_ids=position_ids_BL, use_cache=False,
+                                    **(attn_kwargs or {})).last_hidden_state
     if rows_BT is None:
         return linear_logprobs(hidden_BLH[:, :-1], head.weight, input_ids_BL[:, 1:], temperature, head.bias,
                                chunk_rows, None, keep_logits_bytes)
@@ -210,19 +212,26 @@ def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, te
     B, L, H = hidden_BLH.shape
     idx_N = _flat_index(rows_BT)
     idx_BL = idx_N + idx_N // (L - 1)
-    return _picked_logprobs(hidden_BLH.reshape(-1, H), idx_BL, input_ids_BL.reshape(-1).index_select(0, idx_BL + 1),
-                            idx_N, torch.Size((B, L - 1)), head.weight, head.bias, temperature,
-                            chunk_rows or default_chunk_rows(head.weight.shape[0]), keep_logits_bytes)
+    chunk_rows = chunk_rows or default_chunk_rows(head.weight.shape[0])
+    targets_n = input_ids_BL.reshape(-1).index_select(0, idx_BL + 1)
+    if flat:
+        return ChunkedLinearLogprob.apply(hidden_BLH.reshape(-1, H).index_select(0, idx_BL), head.weight, head.bias,
+                                          targets_n, temperature, chunk_rows, keep_logits_bytes)
+    return _picked_logprobs(hidden_BLH.reshape(-1, H), idx_BL, targets_n, idx_N, torch.Size((B, L - 1)), head.weight,
+                            head.bias, temperature, chunk_rows, keep_logits_bytes)
 
 
-def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
+def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None,
                       temperature: float, chunk_rows: int | None = None, rows_BT: torch.Tensor | None = None,
-                      keep_logits_bytes: int = 0) -> torch.Tensor:
+                      keep_logits_bytes: int = 0, position_ids_BL: torch.Tensor | None = None,
+                      attn_kwargs: dict | None = None, flat: bool = False) -> torch.Tensor:
     """logp_BT[b, j] = log pi(input_ids[b, j+1] | input_ids[b, :j+1]) at `temperature`, for a Hugging
     Face causal LM (plain or FSDP2-wrapped), without materialising B x T x V logits. With `rows_BT`
     (a bool B x T mask, or flat int64 indices into B x T: `Batch.loss_rows`) only those positions
     are computed (the rest are 0): the learner passes its loss positions, so the output head never
-    runs on prompt or padding positions."""
+    runs on prompt or padding positions. `flat`: return just those positions' log-probs, in the
+    order of `rows_BT` (int64 indices). `position_ids_BL` / `attn_kwargs`: packed rows
+    (learners/batch.py `MicroBatch`)."""
     method = getattr(model, _METHOD, None)
     if method is None:
         from torch.distributed.fsdp import register_fsdp_forward_method
@@ -232,4 +241,13 @@ def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_ma
         setattr(model, _METHOD, types.MethodType(_token_logprobs_forward, model))
         register_fsdp_forward_method(model, _METHOD)
         method = getattr(model, _METHOD)
-    return method(input_ids_BL, attention_mask_BL, temperature, chunk_rows, rows_BT, keep_logits_bytes)
+    return method(input_ids_BL, attention_mask_BL, temperature, chunk_rows, rows_BT, keep_logits_bytes,
+                  position_ids_BL, attn_kwargs, flat)
+
+
+def micro_logprobs(model: nn.Module, mb, temperature: float, keep_logits_bytes: int = 0) -> torch.Tensor:
+    """Log-probs of a micro-batch's completion tokens (learners/batch.py `MicroBatch`), flat, in
+    the order of its `flat_N`."""
+    return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, rows_BT=mb.rows,
+                             keep_logits_bytes=keep_logits_bytes, position_ids_BL=mb.position_ids,
+                             attn_kwargs=mb.attn_kwargs, flat=True)

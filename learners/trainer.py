@@ -21,8 +21,9 @@ from asyncrl.config import Config
 from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
 from asyncrl.store import ack_dropped, ensure_groups, group_lag, set_and_notify
 from asyncrl.weight_sync import SyncTimeout, WeightSender, checksum_mode, pack_buckets, plan_buckets, to_dtype
-from learners.batch import build_batch
-from learners.step import batch_targets, policy_update
+from learners import packing
+from learners.batch import build_step
+from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,17 @@ class Learner:
                                                       weight_decay=lc.weight_decay,
                                                       fused=self.cuda and not lc.param_offload)
             self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer, self._lr_lambda)
+        # Micro-batches: memory is set by their token budget, not by the batch (learners/packing.py).
+        compute_dtype = to_dtype(lc.mixed_precision.param_dtype)
+        self.micro_batch_tokens = lc.micro_batch_tokens or packing.default_micro_batch_tokens(
+            model.config, self.device, compute_dtype, lc.activation_checkpointing)
+        self.attention = "padded"
+        if lc.packing:
+            for m in {id(x): x for x in (model, self.ref_model, self.critic) if x is not None}.values():
+                self.attention = packing.packed_attention(m, self.device, compute_dtype)
+        if self.rank == 0:
+            log.info("micro-batches of at most %d tokens a rank, attention: %s", self.micro_batch_tokens,
+                     self.attention)
         self.pad_id = model.config.pad_token_id or 0
         self.version = 0
         self.step = 0
@@ -402,7 +414,7 @@ class Learner:
                 self.sync_weights()
                 continue
             groups = [schema.decode(f, schema.TrajectoryGroup) for f in msgspec.msgpack.decode(payload)]
-            stats = self.train_step(groups[self.rank::self.world])
+            stats = self.train_step(groups)  # every rank holds the step; the plan splits it
             if self.step % 10 == 0:
                 self.verify_reference_frozen()
             self.version += 1
@@ -456,23 +468,25 @@ class Learner:
         return self._aliases
 
     def train_step(self, groups: list[schema.TrajectoryGroup]) -> dict:
-        cfg = self.cfg
+        """One learner step on all of the step's groups (every rank holds them): the plan
+        (learners/packing.py) gives each rank its share of every mini-batch in micro-batches."""
+        cfg, lc = self.cfg, self.cfg.learner
         t0 = time.perf_counter()
-        batch = build_batch(groups, self.pad_id, device=self.device)
-        # Exact global token mean across ranks: scale each rank's loss by its share of all tokens.
-        ntok = torch.tensor([float(batch.num_tokens)], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(ntok)
-        share = batch.num_tokens * self.world / max(float(ntok), 1.0)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        step = build_step(groups, device=self.device)
+        plan = packing.plan_step(step.group_sizes, step.lengths, step.comp_len, world=self.world,
+                                 minibatches=lc.minibatches, epochs=lc.ppo_epochs, budget=self.micro_batch_tokens,
+                                 packed=lc.packing, seed=cfg.run.seed * 1_000_003 + self.step)
+        micro = rank_micro_batches(plan, self.rank)
         ref_logp = None
         if self.ref_model is not None:
             from contextlib import nullcontext
 
             from learners.lora import adapters_disabled
-            from learners.step import reference_logprobs
 
             with adapters_disabled(self.model) if self.lora else nullcontext():
-                ref_logp = reference_logprobs(self.ref_model, batch, cfg.generator.temperature)
+                ref_logp = logprobs_N(self.ref_model, step, micro, cfg, self.pad_id)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step's (first) update uses
         # GAE: the critic scores the behaviour batch before any update; its values give the
         # advantages (policy) and the returns (critic), both fixed for the step's updates.
@@ -480,35 +494,66 @@ class Learner:
         if self.critic is not None:
             from learners.critic import old_values
 
-            values = old_values(self.critic, batch)
-        targets = batch_targets(self.model, batch, cfg, ref_logp, self.kl_ctl.value, values)
-        st = policy_update(self.model, self.optimizer, batch, cfg, loss_scale=share, ref_logp_BT=ref_logp,
-                           kl_coef=self.kl_ctl.value, scheduler=self.scheduler, targets=targets)
+            values = old_values(self.critic, step, plan, cfg, self.rank, self.pad_id)
+        targets = batch_targets(self.model, step, plan, cfg, self.rank, ref_logp, self.kl_ctl.value, values,
+                                self.pad_id)
+        st = policy_update(self.model, self.optimizer, step, plan, cfg, targets, self.rank, self.world, self.pad_id,
+                           kl_coef=self.kl_ctl.value, scheduler=self.scheduler)
         if self.critic is not None:
             from learners.critic import critic_update
 
             st["critic_lr"] = self.critic_optimizer.param_groups[0]["lr"]
-            st.update(critic_update(self.critic, self.critic_optimizer, batch, values, targets.returns_BT, cfg,
-                                    loss_scale=share, scheduler=self.critic_scheduler))
-        # Token-weighted means across ranks (each rank's stat times its token share), maxima for *_max:
-        # the same numbers a single rank would report for the whole batch. Grad norms are global already.
-        global_stats = ("grad_norm", "value_grad_norm", "critic_lr")
+            st.update(critic_update(self.critic, self.critic_optimizer, step, plan, values, targets.returns_N, cfg,
+                                    self.rank, self.world, self.pad_id, scheduler=self.critic_scheduler))
+        # Across ranks: token-weighted means (each rank's stat times its token share), maxima for
+        # *_max, sums for the losses (each rank holds its part). Grad norms and whole-step
+        # statistics are global already.
+        local_tokens = sum(step.comp_len[s] for seqs in micro for s in seqs)
+        share = local_tokens * self.world / max(step.num_tokens, 1)
+        global_stats = ("grad_norm", "value_grad_norm", "critic_lr", "value_explained_var", "value_mean",
+                        "returns_mean")
+        summed = ("loss", "value_loss")
         names = sorted(k for k in st if k not in global_stats)
-        means = torch.tensor([st[k] * share for k in names if not k.endswith("_max")], device=self.device)
+        weight = {k: (1.0 if k in summed else share / self.world) for k in names}
+        means = torch.tensor([st[k] * weight[k] for k in names if not k.endswith("_max")], device=self.device)
         maxes = torch.tensor([st[k] for k in names if k.endswith("_max")], device=self.device)
         if self.world > 1:
             dist.all_reduce(means)
-            means /= self.world
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         out = dict(zip([k for k in names if not k.endswith("_max")], means.tolist(), strict=True))
         out.update(zip([k for k in names if k.endswith("_max")], maxes.tolist(), strict=True))
         if "kl" in out:
             out["kl_coef"] = self.kl_ctl.value
             out["ref_checksum"] = self.ref_checksum
-            self.kl_ctl.update(out["kl"], len(groups) * self.world)
+            self.kl_ctl.update(out["kl"], step.num_seqs)  # the controller's horizon counts samples
         out["lr"] = lr
         out.update({k: st[k] for k in global_stats if k in st})
-        return {**out, "tokens": float(ntok), "step_s": time.perf_counter() - t0}
+        step_s = time.perf_counter() - t0
+        real = sum(step.lengths)
+        processed = self._processed_tokens(step, plan)
+        out.update(updates=float(plan.num_updates), micro_batches=float(plan.micro_batches(self.rank)),
+                   pad_frac=1.0 - real * lc.ppo_epochs / max(processed, 1), real_tokens_per_s=real / max(step_s, 1e-9),
+                   micro_batch_tokens=float(self.micro_batch_tokens))
+        if self.cuda:
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return {**out, "tokens": float(step.num_tokens), "step_s": step_s}
+
+    def _processed_tokens(self, step, plan) -> int:
+        """Token positions the training micro-batches of every rank run through the model (padding
+        included: rows x longest when padded, one dummy two-token row per empty micro-batch)."""
+        lengths = step.lengths
+        total = 0
+        for epoch in plan.epochs:
+            for mb in epoch:
+                for rank_micro in mb.micro:
+                    for seqs in rank_micro:
+                        if not seqs:
+                            total += 2
+                        elif self.cfg.learner.packing:
+                            total += sum(lengths[s] for s in seqs)
+                        else:
+                            total += len(seqs) * max(lengths[s] for s in seqs)
+        return total
 
     def verify_fleet_weights(self) -> None:
         """Each generator reports the version it holds and the checksums of the buckets it received;

@@ -14,7 +14,8 @@ from asyncrl.config import ConfigError, dump_yaml, load_config
 from asyncrl.keys import Keys, connect
 from asyncrl.redis_server import LocalRedis
 from asyncrl.store import LEARNER_GROUP, ensure_groups
-from learners.batch import build_batch
+from learners import packing
+from learners.batch import build_batch, build_step
 from learners.critic import critic_update, load_value_model, old_values, values_BT
 from learners.step import batch_targets
 from tests.helpers import fixed_groups, make_group
@@ -41,14 +42,19 @@ def test_gae_wiring_by_hand(tiny_model):
     critic = load_value_model(tiny_model)
     v = values_BT(critic, batch)
     assert v.shape == batch.loss_mask_BT.shape and v[0, :2].abs().sum() == 0, "values only on completion tokens"
-    values = torch.tensor([[0.0, 0.0, 0.1, 0.5, 0.3]])
     policy = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    t = batch_targets(policy, batch, cfg, values_BT=values)
-    assert t.returns_BT.shape == t.adv_BT.shape == (1, 5)
-    assert torch.allclose(t.returns_BT, torch.tensor([[0.0, 0.0, 0.575, 0.65, 1.0]]), atol=1e-6)
+    step = build_step([make_group(num_samples=1, num_tokens=3, reward=1.0)], "cpu")
+    t = batch_targets(policy, step, _plan(step, cfg), cfg, values_N=torch.tensor([0.1, 0.5, 0.3]))
+    assert t.returns_N.shape == t.adv_N.shape == (3,)
+    assert torch.allclose(t.returns_N, torch.tensor([0.575, 0.65, 1.0]), atol=1e-6)
     raw = torch.tensor([0.475, 0.15, 0.7])
-    assert torch.allclose(t.adv_BT[0, 2:], (raw - raw.mean()) / (raw.std() + 1e-6), atol=1e-5), "whitened"
-    assert t.adv_BT[0, :2].abs().sum() == 0
+    assert torch.allclose(t.adv_N, (raw - raw.mean()) / (raw.std() + 1e-6), atol=1e-5), "whitened"
+
+
+def _plan(step, cfg, budget=4096):
+    return packing.plan_step(step.group_sizes, step.lengths, step.comp_len, world=1,
+                             minibatches=cfg.learner.minibatches, epochs=cfg.learner.ppo_epochs, budget=budget,
+                             packed=cfg.learner.packing, seed=0)
 
 
 def test_value_loss_goes_down_on_a_fixed_batch(tiny_model):
@@ -56,7 +62,9 @@ def test_value_loss_goes_down_on_a_fixed_batch(tiny_model):
     the returns the plain rewards, so this is regression and the loss must fall."""
     torch.manual_seed(0)
     cfg = load_config(None, ["algorithm.advantage=gae", "algorithm.lam=1.0", "learner.critic_lr=3e-3"])
-    batch = build_batch(fixed_groups(4, seed=5), pad_id=0, device="cpu")
+    step = build_step(fixed_groups(4, seed=5), "cpu")
+    plan = _plan(step, cfg, budget=24)  # several micro-batches
+    assert plan.micro_batches(0) > 1
     critic = load_value_model(tiny_model)
     opt = torch.optim.AdamW(critic.parameters(), lr=cfg.learner.critic_lr)
     from transformers import AutoModelForCausalLM
@@ -64,9 +72,9 @@ def test_value_loss_goes_down_on_a_fixed_batch(tiny_model):
     policy = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     history = []
     for _ in range(12):
-        old = old_values(critic, batch)
-        returns = batch_targets(policy, batch, cfg, values_BT=old).returns_BT
-        history.append(critic_update(critic, opt, batch, old, returns, cfg, loss_scale=1.0))
+        old = old_values(critic, step, plan, cfg)
+        returns = batch_targets(policy, step, plan, cfg, values_N=old).returns_N
+        history.append(critic_update(critic, opt, step, plan, old, returns, cfg))
     first, last = history[0], history[-1]
     assert first["value_mean"] == 0.0, "the head starts at zero"
     assert last["value_loss"] < 0.3 * first["value_loss"], [h["value_loss"] for h in history]

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from asyncrl.config import LoraConfig, load_config
-from learners.batch import build_batch
+from learners.batch import build_batch, build_step
 from learners.lora import adapters_disabled, apply_lora, base_name, merged_shapes, merged_tensors
-from learners.step import policy_update
+from learners.packing import plan_step
+from learners.step import batch_targets, policy_update
 from tests.helpers import fixed_groups
 from tests.test_learner_variants import run_learner
 
@@ -74,8 +75,11 @@ def test_policy_update_moves_only_adapters_and_the_reference_is_the_base(tiny_mo
     merged_before = dict(merged_tensors(model))
     batch = build_batch(fixed_groups(4, seed=3), pad_id=0, device="cpu")
     cfg = load_config(None, ["learner.lora.enabled=true"])
+    step = build_step(fixed_groups(4, seed=3), "cpu")
+    plan = plan_step(step.group_sizes, step.lengths, step.comp_len, world=1, minibatches=1, epochs=1, budget=64,
+                     packed=True, seed=0)
     for _ in range(3):
-        stats = policy_update(model, opt, batch, cfg, loss_scale=1.0)
+        stats = policy_update(model, opt, step, plan, cfg, batch_targets(model, step, plan, cfg))
         assert stats["grad_norm"] > 0
     for n, p in model.named_parameters():
         if not p.requires_grad:

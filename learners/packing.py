@@ -1,0 +1,182 @@
+"""Which sequences a learner rank runs together: mini-batches, micro-batches and the attention that
+keeps packed sequences apart.
+
+A step's groups are split into `learner.minibatches` disjoint mini-batches of whole groups (one
+optimizer step each), reshuffled every epoch. Each mini-batch's sequences go to world x m bins of at
+most `learner.micro_batch_tokens` tokens by longest-first-into-the-emptiest-bin, m the same on every
+rank (ranks take part in the same FSDP collectives, so they run the same number of micro-batches);
+rank r runs m of them and accumulates their gradients. Every rank computes the same plan from the
+step's sequence lengths alone: no communication.
+
+Packed micro-batches put their sequences in one row with per-sequence position ids; attention never
+crosses a sequence boundary: FlashAttention varlen (`torch.nn.attention.varlen`) on CUDA in 16-bit,
+else SDPA with the block-diagonal causal mask that transformers derives from the position ids.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+VARLEN_ATTENTION = "asyncrl_varlen"
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step: `micro[r]` lists rank r's micro-batches (each a list of sequence indices
+    into the step; an empty one still runs, with no loss, to keep the collectives in step);
+    `num_tokens` / `num_seqs` are the mini-batch's completion tokens and sequences on all ranks,
+    the loss normalisers."""
+
+    micro: list[list[list[int]]]
+    num_tokens: int
+    num_seqs: int
+
+
+@dataclass
+class StepPlan:
+    epochs: list[list[MiniBatch]] = field(default_factory=list)
+
+    @property
+    def num_updates(self) -> int:
+        return sum(len(e) for e in self.epochs)
+
+    def micro_batches(self, rank: int) -> int:
+        """Training micro-batches this rank runs in the step (every epoch, every mini-batch)."""
+        return sum(len(mb.micro[rank]) for e in self.epochs for mb in e)
+
+
+def balanced_bins(lengths: list[int], items: list[int], k: int) -> list[list[int]]:
+    """`items` (indices into `lengths`) in `k` bins of near-equal total length: longest first, each
+    into the bin with the least so far (ties: fewest items, then lowest index)."""
+    heap = [(0, 0, b) for b in range(k)]
+    bins: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(items, key=lambda i: (-lengths[i], i)):
+        total, count, b = heapq.heappop(heap)
+        bins[b].append(i)
+        heapq.heappush(heap, (total + lengths[i], count + 1, b))
+    return bins
+
+
+def _bin_cost(lengths: list[int], bin_: list[int], packed: bool) -> int:
+    if not bin_:
+        return 0
+    return sum(lengths[i] for i in bin_) if packed else len(bin_) * max(lengths[i] for i in bin_)
+
+
+def micro_bins(lengths: list[int], items: list[int], world: int, budget: int, packed: bool) -> list[list[list[int]]]:
+    """Rank r's micro-batches (`result[r]`, the same count on every rank) for one mini-batch: the
+    fewest bins per rank such that every bin fits `budget` tokens (padded: rows x longest), a bin of
+    one sequence longer than the budget excepted. Bins go to ranks largest first, round robin."""
+    total = sum(lengths[i] for i in items)
+    m = max(1, math.ceil(total / (world * budget)))
+    while True:
+        bins = balanced_bins(lengths, items, world * m)
+        if all(_bin_cost(lengths, b, packed) <= budget or len(b) <= 1 for b in bins):
+            break
+        m += 1
+    bins.sort(key=lambda b: -_bin_cost(lengths, b, packed))
+    return [bins[r::world] for r in range(world)]
+
+
+def plan_step(group_sizes: list[int], lengths: list[int], comp_lengths: list[int], *, world: int, minibatches: int,
+              epochs: int, budget: int, packed: bool, seed: int) -> StepPlan:
+    """The step's updates: `epochs` passes, each over `minibatches` disjoint mini-batches of whole
+    groups (groups shuffled by `seed` and the epoch). `lengths`: tokens of each sequence (prompt +
+    completion), in group order; `comp_lengths`: its completion tokens."""
+    if minibatches > len(group_sizes):
+        raise ValueError(f"learner.minibatches={minibatches} but the step has only {len(group_sizes)} groups")
+    starts = [0]
+    for n in group_sizes:
+        starts.append(starts[-1] + n)
+    plan = StepPlan()
+    for epoch in range(epochs):
+        order = list(range(len(group_sizes)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        epoch_plan = []
+        for k in range(minibatches):
+            groups = order[k::minibatches]
+            seqs = [s for g in sorted(groups) for s in range(starts[g], starts[g + 1])]
+            epoch_plan.append(MiniBatch(micro=micro_bins(lengths, seqs, world, budget, packed),
+                                        num_tokens=sum(comp_lengths[s] for s in seqs), num_seqs=len(seqs)))
+        plan.epochs.append(epoch_plan)
+    return plan
+
+
+def default_micro_batch_tokens(model_config, device: torch.device, param_dtype: torch.dtype,
+                               activation_checkpointing: bool) -> int:
+    """Tokens per micro-batch when `learner.micro_batch_tokens=0`. CPU: 8192. CUDA: a quarter of the
+    device memory free now, divided by the activation bytes a token holds through forward and
+    backward (about (16 H + 4 I) values per decoder layer in the compute dtype, H hidden and I MLP
+    width; with activation checkpointing one layer's worth plus 2 H per layer), rounded down to
+    a multiple of 1024 and kept within [2048, 65536]."""
+    if device.type != "cuda":
+        return 8192
+    h = model_config.hidden_size
+    inter = getattr(model_config, "intermediate_size", 4 * h)
+    layers = model_config.num_hidden_layers
+    per_layer = (16 * h + 4 * inter) * param_dtype.itemsize
+    per_token = (per_layer + 2 * h * param_dtype.itemsize * layers) if activation_checkpointing else per_layer * layers
+    free, _ = torch.cuda.mem_get_info(device)
+    tokens = int(free * 0.25 // per_token) // 1024 * 1024
+    return max(2048, min(65536, tokens))
+
+
+# ---- attention inside packed rows -----------------------------------------------------------------
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A transformers attention function for one packed row: q (1, Hq, L, D), k/v (1, Hkv, L, D),
+    sequence boundaries from `cu_seq_lens_q` / `max_length_q` (passed through the decoder's kwargs).
+    Returns (1, L, Hq, D) as transformers' own attention functions do."""
+    varlen_attn = _varlen_fn()
+    cu, max_len = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    params = inspect.signature(varlen_attn).parameters
+    extra = {"scale": scaling}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if "window_size" in params:
+        extra["window_size"] = (-1, 0)
+    else:
+        extra["is_causal"] = True
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+    return out.unsqueeze(0), None
+
+
+def packed_attention(model, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """Sets the attention that packed rows use on `model` (and every module sharing its config);
+    returns its name: `asyncrl_varlen` where FlashAttention varlen runs (CUDA, 16-bit compute),
+    else `sdpa` (transformers builds a block-diagonal causal mask from the position ids)."""
+    name = "sdpa"
+    if device.type == "cuda" and compute_dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+        name = VARLEN_ATTENTION
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name
+    return name
