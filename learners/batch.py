@@ -125,9 +125,9 @@ class StepBatch:
     @property
     def grid_index_N(self) -> torch.Tensor:
         if getattr(self, "_grid_index", None) is None:
-            t = self.max_comp
-            idx = [s * t + j for s, n in enumerate(self.comp_len) for j in range(n)]
-            self._grid_index = torch.tensor(idx, dtype=torch.long, device=self.device)
+            comp = np.asarray(self.comp_len, dtype=np.int64)
+            idx = _ranges(np.arange(len(comp)) * self.max_comp, comp)
+            self._grid_index = torch.from_numpy(idx).to(self.device)
         return self._grid_index
 
 
@@ -204,45 +204,50 @@ def micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> 
                           attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 2, "max_length_k": 2}
                           if packed else {}, rows=zero, flat_N=zero if step.num_tokens else zero[:0],
                           grid_index=zero, mask_bT=torch.zeros((1, 1), device=dev), real_tokens=0, padded_tokens=2)
-    comp = [step.comp_len[s] for s in seqs]
-    t_max = max(max(comp), 1)
-    grid_index = [i * t_max + j for i, n in enumerate(comp) for j in range(n)]
-    flat = [step.comp_start[s] + j for s, n in zip(seqs, comp, strict=True) for j in range(n)]
-    lens = [len(step.tokens[s]) for s in seqs]
+    comp = np.array([step.comp_len[s] for s in seqs], dtype=np.int64)
+    prompt = np.array([step.prompt_len[s] for s in seqs], dtype=np.int64)
+    t_max = max(int(comp.max()), 1)
+    grid_index = _ranges(np.arange(len(seqs)) * t_max, comp)
+    flat = _ranges(np.array([step.comp_start[s] for s in seqs], dtype=np.int64), comp)
+    lens = np.array([len(step.tokens[s]) for s in seqs], dtype=np.int64)
     if packed:
         ids = np.concatenate([step.tokens[s] for s in seqs])
         total = len(ids)
-        pos = np.concatenate([np.arange(n) for n in lens])
-        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        pos = np.arange(total) - np.repeat(offsets, lens)
         # Completion token j of a sequence at row offset o sits at o + prompt + j and is predicted
         # at o + prompt + j - 1; rows index the 1 x (L-1) grid of predicting positions.
-        rows = [o + step.prompt_len[s] - 1 + j for s, o, n in zip(seqs, offsets, comp, strict=True) for j in range(n)]
+        rows = _ranges(offsets + prompt - 1, comp)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
         return MicroBatch(seqs=list(seqs), input_ids=torch.from_numpy(ids)[None].to(dev), attention_mask=None,
                           position_ids=torch.from_numpy(pos)[None].to(dev),
-                          attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lens),
-                                       "max_length_k": max(lens)},
-                          rows=torch.tensor(rows, dtype=torch.long, device=dev),
-                          flat_N=torch.tensor(flat, dtype=torch.long, device=dev),
-                          grid_index=torch.tensor(grid_index, dtype=torch.long, device=dev),
+                          attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lens.max()),
+                                       "max_length_k": int(lens.max())},
+                          rows=_tensor(rows, dev), flat_N=_tensor(flat, dev), grid_index=_tensor(grid_index, dev),
                           mask_bT=_mask(comp, t_max, dev), real_tokens=total, padded_tokens=0)
-    L = max(lens)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    rows = []
+    L = int(lens.max())
+    ids = np.full((len(seqs), L), pad_id, dtype=np.int64)
     for i, s in enumerate(seqs):
-        ids[i, : lens[i]] = torch.from_numpy(step.tokens[s])
-        attn[i, : lens[i]] = 1
-        rows += [i * (L - 1) + step.prompt_len[s] - 1 + j for j in range(comp[i])]
-    return MicroBatch(seqs=list(seqs), input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=None,
-                      attn_kwargs={}, rows=torch.tensor(rows, dtype=torch.long, device=dev),
-                      flat_N=torch.tensor(flat, dtype=torch.long, device=dev),
-                      grid_index=torch.tensor(grid_index, dtype=torch.long, device=dev),
-                      mask_bT=_mask(comp, t_max, dev), real_tokens=sum(lens), padded_tokens=len(seqs) * L - sum(lens))
+        ids[i, : lens[i]] = step.tokens[s]
+    attn = (np.arange(L)[None, :] < lens[:, None]).astype(np.int64)
+    rows = _ranges(np.arange(len(seqs)) * (L - 1) + prompt - 1, comp)
+    return MicroBatch(seqs=list(seqs), input_ids=torch.from_numpy(ids).to(dev),
+                      attention_mask=torch.from_numpy(attn).to(dev), position_ids=None, attn_kwargs={},
+                      rows=_tensor(rows, dev), flat_N=_tensor(flat, dev), grid_index=_tensor(grid_index, dev),
+                      mask_bT=_mask(comp, t_max, dev), real_tokens=int(lens.sum()),
+                      padded_tokens=len(seqs) * L - int(lens.sum()))
 
 
-def _mask(comp: list[int], t_max: int, dev) -> torch.Tensor:
-    m = torch.zeros((len(comp), t_max), dtype=torch.float32)
-    for i, n in enumerate(comp):
-        m[i, :n] = 1
-    return m.to(dev)
+def _ranges(bases: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """concat(arange(b, b + n) for b, n in zip(bases, counts)), without a Python loop."""
+    counts = np.asarray(counts, dtype=np.int64)
+    excl = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return np.repeat(np.asarray(bases, dtype=np.int64) - excl, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def _tensor(a: np.ndarray, dev) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+
+
+def _mask(comp: np.ndarray, t_max: int, dev) -> torch.Tensor:
+    return torch.from_numpy((np.arange(t_max)[None, :] < np.asarray(comp)[:, None]).astype(np.float32)).to(dev)

@@ -165,12 +165,37 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     return out.unsqueeze(0), None
 
 
+def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """One tiny forward and backward through the varlen kernel (two sequences, GQA heads), checked
+    against SDPA per sequence: a build without the kernel, or a wrong one, falls back to SDPA."""
+    if _varlen_fn() is None:
+        return False
+    try:
+        torch.manual_seed(0)
+        q = torch.randn(1, 4, 24, 64, device=device, dtype=dtype, requires_grad=True)
+        kv = torch.randn(2, 1, 2, 24, 64, device=device, dtype=dtype)
+        cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=device)
+        out, _ = varlen_attention_forward(None, q, kv[0], kv[1], None, scaling=0.125, cu_seq_lens_q=cu, max_length_q=14)
+        out.float().sum().backward()
+        k, v = kv[0].repeat_interleave(2, dim=1), kv[1].repeat_interleave(2, dim=1)
+        want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=0.125) for a, b in ((0, 10), (10, 24))], 2)
+        ok = torch.allclose(out.transpose(1, 2).float(), want.float(), atol=2e-2)
+        if not ok:
+            log.warning("FlashAttention varlen disagrees with SDPA on this device: packed rows use SDPA")
+        return ok
+    except Exception as e:  # a torch without the kernel for this device or dtype
+        log.warning("FlashAttention varlen unavailable (%s): packed rows use SDPA", str(e).splitlines()[0][:200])
+        return False
+
+
 def packed_attention(model, device: torch.device, compute_dtype: torch.dtype) -> str:
     """Sets the attention that packed rows use on `model` (and every module sharing its config);
     returns its name: `asyncrl_varlen` where FlashAttention varlen runs (CUDA, 16-bit compute),
     else `sdpa` (transformers builds a block-diagonal causal mask from the position ids)."""
     name = "sdpa"
-    if device.type == "cuda" and compute_dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None:
+    if device.type == "cuda" and compute_dtype in (torch.bfloat16, torch.float16) and _varlen_works(device,
+                                                                                                 compute_dtype):
         from transformers import AttentionInterface
 
         AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
