@@ -45,8 +45,10 @@ def ensure_model(cfg: Config) -> str:
 
 
 def learner_command(cfg: Config, config_path: str | None, overrides: list[str]) -> list[str]:
+    """torchrun on one node, through asyncrl.listen: its rendezvous store listens on 127.0.0.1 only
+    (torchrun's own binds every interface whatever --master-addr says)."""
     args = [config_path] if config_path else []
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+    return [sys.executable, "-m", "asyncrl.listen", "--nnodes", "1",
             "--nproc-per-node", str(cfg.learner.nproc), "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), "-m", "learners.main", *args, *overrides]
 
@@ -97,6 +99,7 @@ class Launcher:
 
         client = connect(cfg.buffer.redis_url)
         keys = Keys(cfg.run.name)
+        self._stop_key = (cfg.buffer.redis_url, keys.stop)  # set at teardown: the run is over
         if not cfg.run.resume:
             # A fresh run: state left in this Redis by an earlier run of the same name would make the
             # learner start at that run's version with fresh weights.
@@ -161,8 +164,27 @@ class Launcher:
         while time.monotonic() < deadline and any(c.poll() is None for c in self.children.values()):
             time.sleep(0.2)
 
+    def _mark_run_over(self) -> None:
+        """Sets the run's `stop` key before the SIGTERMs, so generators leave at once (in-flight
+        groups handed back) instead of draining toward a buffer that is going down too (which held
+        Ctrl-C for the whole grace period). Best effort: one quick try, no retries."""
+        if getattr(self, "_stop_key", None) is None:
+            return
+        import redis
+
+        from asyncrl.keys import _auth_kwargs
+
+        url, key = self._stop_key
+        try:
+            redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1, retry=None,
+                                 **_auth_kwargs()).set(key, f"{time.time():.3f}")
+        except (redis.RedisError, OSError) as e:
+            log.info("could not mark the run over in Redis (%s): generators drain instead", e)
+
     def teardown(self) -> None:
         alive = {n: c for n, c in self.children.items() if c.poll() is None}
+        if alive:
+            self._mark_run_over()
         for child in alive.values():
             _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S

@@ -207,8 +207,10 @@ class WeightSender:
 
     def __init__(self, host: str, port: int, backend: str, join_timeout_s: float, sync_timeout_s: float,
                  first_epoch: int = 0):
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=join_timeout_s))
+        from asyncrl.listen import master_store
+
+        # Listens on `host` (deploy.bind_host) only: torch's own master would bind every interface.
+        self.store = master_store(host, port, wait_for_workers=False, timeout=timedelta(seconds=join_timeout_s))
         self.host, self.port, self.backend = host, self.store.port, backend
         self.join_timeout_s, self.sync_timeout_s = join_timeout_s, sync_timeout_s
         self.epoch = first_epoch

@@ -348,6 +348,8 @@ class Generator:
                 raise self.auth_failure
             self.state = "draining"
             await self.heartbeat()
+            if not self.run_over:  # a SIGTERM of a whole run's teardown: the launcher set `stop` first
+                self.run_over = await _stop_key_set(self.redis, self.keys)
             if self.run_over:
                 await self._leave_finished_run()
             else:
@@ -374,6 +376,17 @@ class Generator:
             self.engine.shutdown()
             await self.redis.aclose()
             log.info("generator %s left: groups=%d tokens=%d", self.id, self.groups, self.tokens)
+
+
+async def _stop_key_set(redis, keys: Keys) -> bool:
+    """Whether the run is over; False when Redis does not answer within 2 s (during an outage a
+    SIGTERM must still end the drain in its own time, not in redis_retry_s)."""
+    from redis.exceptions import RedisError
+
+    try:
+        return bool(await asyncio.wait_for(redis.exists(keys.stop), 2.0))
+    except (TimeoutError, RedisError, OSError):
+        return False
 
 
 def main(cfg: Config, generator_id: str) -> None:

@@ -185,7 +185,7 @@ def test_a_pinned_run_keeps_vllm_and_torchrun_on_their_cpus(tmp_path, tiny_model
         for pid, (cmd, cpus, env) in seen.items():
             role = ("redis-server" if "redis-server" in cmd else "generator" if "VLLM_CPU_OMP_THREADS_BIND" in env
                     and env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind" else
-                    "learner" if "torch.distributed.run" in cmd or "RANK" in env else
+                    "learner" if "torch.distributed.run" in cmd or "asyncrl.listen" in cmd or "RANK" in env else
                     "buffer" if " buffer " in f"{cmd} " else None)
             if role:
                 by_role[role].append(pid)
