@@ -62,7 +62,9 @@ class Generator:
         self.last_pause_s = 0.0
         self.num_syncs = 0
         self.started = time.monotonic()
-        self._rate_mark, self._rate = (self.started, 0), 0.0
+        from asyncrl.metrics import FleetTokenRate
+
+        self._rate_window, self._rate = FleetTokenRate(start=self.started), 0.0
         self.last_checksums: list[int] = []
         self.sampling = schema.SamplingInfo(temperature=cfg.generator.temperature, top_p=cfg.generator.top_p,
                                             top_k=cfg.generator.top_k)
@@ -107,11 +109,9 @@ class Generator:
     async def heartbeat(self) -> None:
         now = time.monotonic()
         elapsed = max(now - self.started, 1e-6)
-        # tokens/s over the last heartbeat interval, not since start (engine start-up would dilute it)
-        t_prev, tok_prev = self._rate_mark
-        rate = (self.tokens - tok_prev) / max(now - t_prev, 1e-6)
-        if now - t_prev >= self.cfg.generator.heartbeat_s:
-            self._rate_mark, self._rate = (now, self.tokens), rate
+        # tokens/s over the last 30 s (since start before that), not over one
+        # heartbeat interval (the counter moves when a group finishes: most intervals would read 0)
+        self._rate = self._rate_window.update({self.id: self.tokens}, now)
         fields = {
             "id": self.id, "state": self.state, "version": self.version, "epoch": self.epoch,
             "workers": self.engine.num_workers, "tokens": self.tokens, "groups": self.groups,

@@ -72,6 +72,33 @@ class AsyncRLWorkerExtension:
 
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        self._asyncrl_retie()
+
+    def _asyncrl_retie(self) -> None:
+        """A tied output head (`tie_word_embeddings`: SmolLM2, Qwen2.5-0.5B) takes the embedding again.
+
+        vLLM's in-place reload loads the embedding, finds no checkpoint weight for the head (its
+        loader skips `lm_head.*` when tied; the log says "ParallelLMHead: Failed to load weights")
+        and puts the head's previous tensor back, so the engine went on sampling from the initial
+        head while the learner trained the shared one (greedy output differed from the learner's
+        after the first push). Copied rather than re-pointed, so that the head keeps its storage
+        (captured CUDA graphs hold its address); then the head's post-load processing runs again,
+        which on the CPU build re-packs the weight its GEMM kernel reads (a copy of the old one)."""
+        hf = self.vllm_config.model_config.hf_config
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        if not getattr(text, "tie_word_embeddings", False):
+            return
+        model = self.model_runner.get_model() if hasattr(self.model_runner, "get_model") else self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or not hasattr(head, "weight"):
+            return  # an architecture without these names: nothing we know how to re-tie
+        if head.weight.data_ptr() != embed.weight.data_ptr():
+            assert head.weight.shape == embed.weight.shape, (head.weight.shape, embed.weight.shape)
+            with torch.no_grad():
+                head.weight.copy_(embed.weight)
+        if (method := getattr(head, "quant_method", None)) is not None:
+            method.process_weights_after_loading(head)
 
     def asyncrl_load_staged(self, timeout_s: float) -> dict:
         """Loads what `asyncrl_stage` received (waiting for it up to `timeout_s`)."""
