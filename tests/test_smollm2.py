@@ -162,3 +162,55 @@ def test_vllm_matches_hf_greedy_after_push_of_the_tied_llama(make_cfg, smollm2):
         engine.shutdown()
     assert before != want, "the perturbation should change greedy output, or the test proves nothing"
     assert after == want, [tok.decode(x) for x in after + want]
+
+
+def test_fsdp2_checkpoint_and_export_of_the_tied_llama(make_cfg, smollm2, tmp_path):
+    """The learner's sharding (every decoder layer, then the root) keeps the head tied; a DCP
+    checkpoint restores it; the Hugging Face export (the head once, as the embedding) loads back
+    tied, with the trained weights."""
+    import socket
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from learners import checkpoint
+    from learners.trainer import Learner, tied_aliases
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = make_cfg(f"model.path={smollm2}")
+        learner = SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"))
+        model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+        model = Learner._shard(learner, model, fully_shard, init_device_mesh("cpu", (1,)))
+        assert all(isinstance(layer, FSDPModule) for layer in model.model.layers) and len(model.model.layers) == 30
+        assert model.lm_head.weight is model.model.embed_tokens.weight and tied_aliases(model) == {"lm_head.weight"}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        trained = model.model.embed_tokens.weight.full_tensor().detach().clone()
+        path = checkpoint.save(tmp_path / "ckpt", 1, model, optimizer, {"version": 1, "step": 1}, keep=1)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.zero_()
+        checkpoint.load(path, model, optimizer)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert torch.equal(model.model.embed_tokens.weight.full_tensor(), trained)
+        skip = tied_aliases(model)
+        tensors = ((n, t.full_tensor()) for n, t in model.state_dict().items() if n not in skip)
+        checkpoint.export_hf(tmp_path / "hf", smollm2, tensors, 0, torch.float32)
+        with torch.no_grad():
+            want = model(ids).logits
+    finally:
+        dist.destroy_process_group()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    assert torch.equal(exported.model.embed_tokens.weight, trained)
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, want, atol=1e-4)
