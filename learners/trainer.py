@@ -664,7 +664,25 @@ class Learner:
     def _event(self, kind: str, **fields) -> None:
         log_event(self.client, self.keys, kind, **fields)
 
+    def _verify_last_push(self, timeout_s: float = 30.0) -> None:
+        """After the last step's push, wait (bounded) until every live generator reports holding it,
+        so that the final version is verified too: `verify_fleet_weights` runs right after the
+        broadcast, before a generator has loaded it and said so in its heartbeat (a 2-step CPU run
+        of SmolLM2 verified 2 of its 3 pushes)."""
+        if self.version not in self.synced:
+            return  # not pushed (weights.sync_every) or the push failed
+        deadline = time.monotonic() + min(timeout_s, self.cfg.weights.sync_timeout_s)
+        while time.monotonic() < deadline:
+            self.verify_fleet_weights()
+            ids = {member.rsplit(".", 1)[0] for member in self.sender.members}  # who was sent it
+            if all((gid, self.version) in self.verified for gid in ids):
+                return
+            time.sleep(0.1)
+        log.warning("not every generator reported version %d within %.0fs of the last push", self.version, timeout_s)
+
     def after_step(self, groups: list[schema.TrajectoryGroup], stats: dict, sync_s: float) -> None:
+        if self.step >= self.cfg.run.max_steps:
+            self._verify_last_push()
         trained_version = self.version - 1
         lags = []
         for g in groups:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -214,3 +215,23 @@ def test_fsdp2_checkpoint_and_export_of_the_tied_llama(make_cfg, smollm2, tmp_pa
     assert torch.equal(exported.model.embed_tokens.weight, trained)
     with torch.no_grad():
         assert torch.allclose(exported(ids).logits, want, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_step_cpu_run_verifies_every_push(smollm2, tmp_path):
+    """`asyncrl run configs/smollm2_arith_cpu.yaml`: the real model through vLLM, FSDP2 and the push;
+    every push verified, none mismatched, an evaluation round with the chat template, and
+    generated tokens/s not 0.0 although each group takes longer than a heartbeat interval."""
+    res = subprocess.run([sys.executable, "-m", "asyncrl", "run", "configs/smollm2_arith_cpu.yaml",
+                          f"run.dir={tmp_path}", f"model.path={smollm2}"], capture_output=True, text=True,
+                         timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_dir = tmp_path / "smollm2_arith_cpu"
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["weights_mismatch"] == 0
+    log = (run_dir / "logs" / "generator-g0.log").read_text()
+    held = set(re.findall(r"generator g0 now at version (\d+)", log))  # versions 0, 1, 2
+    assert len(held) == 3 and rows[-1]["weights_verified"] == len(held), (held, rows[-1])
+    assert all(r["gen_tokens_per_s"] > 0 for r in rows)
+    assert 0.0 <= rows[-1]["eval/pass@1"] <= 1.0 and rows[-1]["eval/num_prompts"] == 8
