@@ -239,3 +239,20 @@ def test_world_size_2_equals_world_size_1(aggregation):
     assert norm2 == pytest.approx(stats1["grad_norm"], rel=1e-6)
     for n, g in grads1.items():
         assert np.allclose(grads2[n], g.numpy(), rtol=1e-5, atol=1e-7), n
+
+
+@pytest.mark.slow
+def test_learner_runs_minibatches_in_micro_batches_and_the_kl_controller_counts_sequences(tmp_path, tiny_model):
+    """A learner process on fixed groups: 2 optimizer steps a step over several micro-batches, the
+    step's metrics say so, and the adaptive KL coefficient moves by the step's number of samples
+    (16 sequences: 4 groups of 4), not of groups."""
+    from tests.test_learner_variants import run_learner
+
+    cfg, rows = run_learner(tmp_path, tiny_model, "mb", ["learner.minibatches=2", "learner.micro_batch_tokens=48",
+                                                         "algorithm.kl_coef=0.05", "algorithm.kl_target=0.001",
+                                                         "algorithm.kl_horizon=100"], steps=3, groups_per_step=4)
+    assert [r["updates"] for r in rows] == [2.0, 2.0, 2.0]
+    assert all(r["micro_batches"] > 2 and r["pad_frac"] == 0.0 and r["micro_batch_tokens"] == 48 for r in rows)
+    for prev, nxt in zip(rows, rows[1:], strict=False):
+        err = max(min(prev["kl"] / 0.001 - 1, 0.2), -0.2)
+        assert nxt["kl_coef"] == pytest.approx(prev["kl_coef"] * (1 + err * 16 / 100), rel=1e-6), (prev, nxt)
