@@ -218,8 +218,10 @@ class WeightSender:
         self.pg = None
 
     def open_epoch(self, members: list[str], publish: Callable[[GroupEpoch], None],
-                   on_event: Callable[..., None]) -> list[str]:
-        """Forms a group with as many of `members` as join in time; returns who is in it."""
+                   on_event: Callable[..., None], alive: Callable[[], list[str]] | None = None) -> list[str]:
+        """Forms a group with as many of `members` as join in time; returns who is in it. `alive`
+        (the members whose heartbeat is current), asked every half second while waiting: a member
+        that is no longer alive is dropped at once instead of at the join timeout."""
         members = sorted(members)
         self.pg = None
         while True:
@@ -233,16 +235,28 @@ class WeightSender:
             ps = dist.PrefixStore(f"epoch/{self.epoch}", self.store)
             deadline = time.monotonic() + self.join_timeout_s
             missing = list(members)
+            gone: list[str] = []
+            next_alive = time.monotonic() + 0.5
             while missing and time.monotonic() < deadline:
                 missing = [m for m in missing if not ps.check([f"ready/{m}"])]
+                if missing and alive is not None and time.monotonic() >= next_alive:
+                    next_alive = time.monotonic() + 0.5
+                    live = set(alive())
+                    if gone := [m for m in missing if m not in live]:
+                        missing = gone  # the others may still join the re-formed epoch
+                        break
                 if missing:
                     time.sleep(0.02)
             if missing:
                 # Why re-form rather than wait: a dead generator must never hold the learner.
                 ps.set("decision", "reform")
                 on_event("epoch_reform", epoch=self.epoch, dropped=",".join(missing))
-                log.warning("weight group epoch=%d: %s did not join in %.0fs; re-forming without them",
-                            self.epoch, missing, self.join_timeout_s)
+                if gone:
+                    log.warning("weight group epoch=%d: %s left the fleet (heartbeat expired) before joining; "
+                                "re-forming without them", self.epoch, missing)
+                else:
+                    log.warning("weight group epoch=%d: %s did not join in %.0fs; re-forming without them",
+                                self.epoch, missing, self.join_timeout_s)
                 members = [m for m in members if m not in missing]
                 continue
             ps.set("decision", "go")

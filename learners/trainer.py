@@ -621,7 +621,8 @@ class Learner:
         do_send = torch.tensor([0], dtype=torch.long)
         if self.rank == 0:
             if self.fleet_needs_sync() or self.sender.pg is None:
-                self.sender.open_epoch(self.live_members(), self._publish_epoch, self._event)
+                self.sender.open_epoch(self.live_members(), self._publish_epoch, self._event,
+                                       alive=self.live_members)
             do_send[0] = 1 if self.sender.members else 0
         if self.world > 1:
             dist.broadcast(do_send, src=0)

@@ -404,3 +404,28 @@ def test_receive_reuses_only_buffers_no_view_or_broadcast_still_holds_and_values
     assert out[3], "a buffer that a kept view still pointed into was received into again"
     p.join(timeout=30)
     assert p.exitcode == 0
+
+
+def test_a_member_whose_heartbeat_expired_is_dropped_at_once_not_at_the_join_timeout():
+    """`alive` no longer lists "g9" (its heartbeat expired): the sender re-forms without it within
+    about a second although the join timeout is 60 s; a member still alive keeps its place."""
+    ctx = mp.get_context("spawn")
+    epochs, anns, results, up = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_member, args=("g0", epochs, anns, results, up))
+    p.start()
+    up.get(timeout=60)
+    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=60, sync_timeout_s=20)
+    events = []
+    t0 = time.monotonic()
+    members = sender.open_epoch(["g0", "g9"], epochs.put, lambda kind, **kw: events.append(kind),
+                                alive=lambda: ["g0"])
+    took = time.monotonic() - t0
+    assert members == ["g0"] and events == ["epoch_reform", "epoch_open"]
+    assert took < 10, f"waited {took:.1f}s for a member that had left"
+    tensors = _tensors()
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1 << 20)
+    anns.put(WeightAnnouncement(schema_version=SCHEMA_VERSION, version=1, epoch=sender.epoch, buckets=buckets,
+                                announced_at=time.time()))
+    sums = sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
+    assert results.get(timeout=60)[3] == sums
+    p.join(timeout=30)
