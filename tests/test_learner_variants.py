@@ -114,5 +114,8 @@ def test_world_size_2_makes_the_same_update_as_world_size_1(tmp_path, tiny_model
     w1 = load_file(str(cfg1.run_dir / "hf-final" / "model.safetensors"))
     w2 = load_file(str(cfg2.run_dir / "hf-final" / "model.safetensors"))
     assert w1.keys() == w2.keys()
-    for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-5), k
+    # A key projection's bias shifts every score of a query by the same amount, which the softmax
+    # cancels: its gradient is zero up to rounding, and Adam turns that rounding into steps of size
+    # lr whatever the split of the batch. Every other parameter must agree.
+    differ = [k for k in w1 if not k.endswith("k_proj.bias") and not torch.allclose(w1[k], w2[k], atol=1e-5)]
+    assert not differ, differ

