@@ -321,10 +321,7 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
         targets = batch_targets(policy, st, plan, cfg, 0, ref_n)
         last.update(policy_update(policy, opt, st, plan, cfg, targets, 0, 1, 0))
         last["micro_batches"] = plan.micro_batches(0)
-        lengths = st.lengths
-        processed = sum(sum(lengths[s] for s in b) if cfg.learner.packing else len(b) * max(lengths[s] for s in b)
-                        for b in micro if b)
-        last["pad_frac"] = 1 - sum(lengths) / processed
+        last["pad_frac"] = 1 - sum(st.lengths) / plan.processed_tokens(st.lengths, cfg.learner.packing)
         return st
 
     if device.type == "cuda":

@@ -8,7 +8,7 @@ padded whole-batch form (B = sequences, L = prompt + completion) that log-prob t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -91,6 +91,7 @@ class StepBatch:
     seq_of_N: torch.Tensor  # the sequence each completion token belongs to
     comp_start: list[int]
     device: torch.device
+    micro_cache: dict = field(default_factory=dict)  # learners.batch.micro_batch's, for this step
 
     @property
     def num_seqs(self) -> int:
@@ -175,8 +176,6 @@ class MicroBatch:
     flat_N: torch.Tensor
     grid_index: torch.Tensor
     mask_bT: torch.Tensor
-    real_tokens: int
-    padded_tokens: int
 
     @property
     def num_tokens(self) -> int:
@@ -190,9 +189,17 @@ class MicroBatch:
 
 
 def micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> MicroBatch:
-    """Inputs for `seqs` (indices into the step). Empty `seqs`: one two-token row of padding whose
-    single position is computed but weighs nothing (a rank with nothing to do still runs the
-    forward and backward that FSDP's collectives need)."""
+    """Inputs for `seqs` (indices into the step), made once per step: the reference, proximal,
+    critic and training passes over the same micro-batch reuse them. Empty `seqs`: one two-token
+    row of padding whose single position is computed but weighs nothing (a rank with nothing to do
+    still runs the forward and backward that FSDP's collectives need)."""
+    key = (tuple(seqs), packed, pad_id)
+    if key not in step.micro_cache:
+        step.micro_cache[key] = _micro_batch(step, seqs, packed, pad_id)
+    return step.micro_cache[key]
+
+
+def _micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> MicroBatch:
     dev = step.device
     if not seqs:
         ids = torch.full((1, 2), pad_id, dtype=torch.long, device=dev)
@@ -203,7 +210,7 @@ def micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> 
                           position_ids=pos if packed else None,
                           attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 2, "max_length_k": 2}
                           if packed else {}, rows=zero, flat_N=zero if step.num_tokens else zero[:0],
-                          grid_index=zero, mask_bT=torch.zeros((1, 1), device=dev), real_tokens=0, padded_tokens=2)
+                          grid_index=zero, mask_bT=torch.zeros((1, 1), device=dev))
     comp = np.array([step.comp_len[s] for s in seqs], dtype=np.int64)
     prompt = np.array([step.prompt_len[s] for s in seqs], dtype=np.int64)
     t_max = max(int(comp.max()), 1)
@@ -224,7 +231,7 @@ def micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> 
                           attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lens.max()),
                                        "max_length_k": int(lens.max())},
                           rows=_tensor(rows, dev), flat_N=_tensor(flat, dev), grid_index=_tensor(grid_index, dev),
-                          mask_bT=_mask(comp, t_max, dev), real_tokens=total, padded_tokens=0)
+                          mask_bT=_mask(comp, t_max, dev))
     L = int(lens.max())
     ids = np.full((len(seqs), L), pad_id, dtype=np.int64)
     for i, s in enumerate(seqs):
@@ -234,8 +241,7 @@ def micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> 
     return MicroBatch(seqs=list(seqs), input_ids=torch.from_numpy(ids).to(dev),
                       attention_mask=torch.from_numpy(attn).to(dev), position_ids=None, attn_kwargs={},
                       rows=_tensor(rows, dev), flat_N=_tensor(flat, dev), grid_index=_tensor(grid_index, dev),
-                      mask_bT=_mask(comp, t_max, dev), real_tokens=int(lens.sum()),
-                      padded_tokens=len(seqs) * L - int(lens.sum()))
+                      mask_bT=_mask(comp, t_max, dev))
 
 
 def _ranges(bases: np.ndarray, counts: np.ndarray) -> np.ndarray:

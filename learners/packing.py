@@ -15,6 +15,7 @@ else SDPA with the block-diagonal causal mask that transformers derives from the
 
 from __future__ import annotations
 
+import functools
 import heapq
 import inspect
 import logging
@@ -52,6 +53,12 @@ class StepPlan:
     def micro_batches(self, rank: int) -> int:
         """Training micro-batches this rank runs in the step (every epoch, every mini-batch)."""
         return sum(len(mb.micro[rank]) for e in self.epochs for mb in e)
+
+    def processed_tokens(self, lengths: list[int], packed: bool) -> int:
+        """Token positions every rank's training micro-batches run through the model, padding
+        included (rows x longest when padded; one two-token row for an empty micro-batch)."""
+        return sum(_bin_cost(lengths, b, packed) if b else 2
+                   for e in self.epochs for mb in e for rank in mb.micro for b in rank)
 
 
 def balanced_bins(lengths: list[int], items: list[int], k: int) -> list[list[int]]:
@@ -132,24 +139,25 @@ def default_micro_batch_tokens(model_config, device: torch.device, param_dtype: 
 
 # ---- attention inside packed rows -----------------------------------------------------------------
 
+@functools.cache
 def _varlen_fn():
+    """(varlen_attn, its parameter names), or None where this torch has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A transformers attention function for one packed row: q (1, Hq, L, D), k/v (1, Hkv, L, D),
     sequence boundaries from `cu_seq_lens_q` / `max_length_q` (passed through the decoder's kwargs).
     Returns (1, L, Hq, D) as transformers' own attention functions do."""
-    varlen_attn = _varlen_fn()
+    varlen_attn, params = _varlen_fn()
     cu, max_len = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    params = inspect.signature(varlen_attn).parameters
     extra = {"scale": scaling}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:

