@@ -1,6 +1,6 @@
 """Checks of the resources a run needs, made before any process of it starts.
 
-Why here and not where each resource is first used: a missing model folder used to surface 13 s
+Why here and not where each resource is first used: a missing model folder would surface 13 s
 into a run as a torchrun traceback (its cause in another role's log), a wrong Redis URL or password
 as a 64-line traceback. Each check raises `ConfigError` (a setting is wrong: the key named) or
 `ConnectionError` (Redis is not there or will not let us in: the URL named); the CLI prints the one

@@ -359,7 +359,7 @@ class Learner:
                                            quarantine=self._quarantine())
         got, dropped = self.reader.read(need, self.version, in_hand=self.pending)
         # Sampling settings, token ids, lengths and ids against the run: a group that fails is
-        # quarantined, never trained and never fatal (it used to raise here and crash every restart).
+        # quarantined, never trained and never fatal (raising here would crash every restart).
         got = self._quarantine().screen(got)
         if self.cfg.algorithm.dynamic_sampling:
             # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere

@@ -29,7 +29,7 @@ def cpus_allowed(pid: int) -> set[int]:
 
 def thread_cpus(pid: int) -> list[set[int]]:
     """The affinity of each of a process's threads that is still alive once its turn comes (a
-    short-lived thread may end between the listing and the read: CI saw one)."""
+    short-lived thread may end between the listing and the read)."""
     out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:

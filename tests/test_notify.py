@@ -17,11 +17,11 @@ from asyncrl.store import set_and_notify
 from generators.main import WEIGHTS_FALLBACK_S, Generator
 from tests.buffer_support import buffer_cfg, start_thread, wait_for
 
-POLL_PERIOD_S = 0.05  # what the generator's weights loop and the buffer's release tick used to wait
+POLL_PERIOD_S = 0.05  # a polling loop's period: the latency that a notification must beat
 
 
 def assert_prompt(latencies: list[float]) -> None:
-    """Within a few ms, not at the old poll period (25 ms on average, 50 at worst); one late outlier
+    """Within a few ms, not at a 50 ms poll period's (25 ms on average, 50 at worst); one late outlier
     on a loaded 2-core box is tolerated."""
     assert statistics.median(latencies) < 0.01, latencies
     assert sorted(latencies)[len(latencies) * 3 // 4] < POLL_PERIOD_S / 2, latencies

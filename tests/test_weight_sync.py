@@ -253,7 +253,7 @@ def bucket_checksum_of(bucket, tensors) -> int:
 def test_packed_buckets_are_the_same_bytes_whatever_the_pool_held_before(monkeypatch):
     """Alignment gaps and padding go on the wire and into the checksum: two packings of the same weights
     must give the same bytes, or a generator still holding an earlier broadcast of a version is
-    reported as a mismatch against a later one (CI saw exactly that after an epoch re-formed). The pool
+    reported as a mismatch against a later one (as happens after an epoch re-forms). The pool
     buffers come out of torch.empty; here every uint8 one is dirty, as reused memory can be."""
     from asyncrl.weight_sync import bucket_checksum
 
