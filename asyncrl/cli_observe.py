@@ -55,7 +55,7 @@ def cmd_plot(args) -> int:
     from asyncrl.plot import plot_run
 
     try:
-        paths = plot_run(args.run_dir, args.out)
+        paths = plot_run(args.run_dir, args.out, x=args.x)
     except (FileNotFoundError, ValueError) as e:
         print(f"asyncrl plot: {e}", file=sys.stderr)
         return 2
@@ -93,6 +93,8 @@ def add_observe_commands(sub) -> None:
     p = sub.add_parser("plot", help="PNGs of reward, KL/entropy, version lag, throughput, sync time of a run")
     p.add_argument("run_dir", help="the run directory ({run.dir}/{run.name}) holding metrics.jsonl")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
+    p.add_argument("--x", choices=("step", "time"), default="step",
+                   help="x axis: learner step, or wall-clock minutes since the learner started")
     p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("inspect", help="the newest trajectories: text, reward, versions, behaviour vs current log-probs")

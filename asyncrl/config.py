@@ -125,6 +125,7 @@ class EvalConfig:
     k: Annotated[int, NonNegative] = 4  # samples per prompt at generator.temperature for mean@k; 0: greedy only
     path: str = ""  # empty: the test split beside data.path (train -> test in the file name)
     timeout_s: Annotated[float, Positive] = 600.0  # a round not complete by then is logged as incomplete and dropped
+    before_train: bool = True  # also evaluate the starting weights (version 0) when the learner starts
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Reads `{run_dir}/metrics.jsonl` (one row per learner step) and writes PNGs (matplotlib, Agg) to
 `{run_dir}/plots/`: reward mean and distribution, KL and entropy (when the run logged them),
-version lag (histogram and over time), throughput per role, weight-sync time.
+version lag (histogram and over time), throughput per role, weight-sync time, and held-out accuracy
+when the run had evaluation rounds. `--x time` puts wall-clock minutes on the x axis instead of steps.
 """
 
 from __future__ import annotations
@@ -24,12 +25,39 @@ def load_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+def _series(rows: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """(x, value) of every row that has `key`; x is "step" or "time" (minutes since the first row)."""
+    t0 = min((r["time"] - r.get("elapsed_s", 0.0) for r in rows if "time" in r), default=0.0)
+    pts = [((r["time"] - t0) / 60 if x == "time" else r["step"], r[key]) for r in rows
+           if isinstance(r.get(key), (int, float)) and (x != "time" or "time" in r)]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+def plot_eval_curves(curves: dict[str, list[tuple[float, float]]], path: str | Path, title: str = "",
+                     xlabel: str = "wall time (minutes)") -> Path:
+    """Held-out greedy accuracy curves, one line per run: {label: [(x, pass@1), ...]}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, pts in curves.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+    ax.set(xlabel=xlabel, ylabel="held-out greedy accuracy (pass@1)", title=title or "evaluation", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, x: str = "step") -> list[Path]:
+    """The run's PNGs; x is "step" or "time" (wall-clock minutes since the learner started)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,6 +68,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out = Path(out_dir) if out_dir else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    xlabel = "minutes" if x == "time" else "step"
 
     def save(fig, name: str) -> None:
         fig.tight_layout()
@@ -50,17 +79,17 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
     # Reward: the mean and the spread of each batch (quantile bands).
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    steps, mean = _series(rows, "reward_mean")
+    steps, mean = _series(rows, "reward_mean", x)
     ax.plot(steps, mean, label="mean", color="C0")
     for lo, hi, alpha in (("reward_p10", "reward_p90", 0.15), ("reward_p25", "reward_p75", 0.3)):
-        s_lo, v_lo = _series(rows, lo)
-        s_hi, v_hi = _series(rows, hi)
+        s_lo, v_lo = _series(rows, lo, x)
+        s_hi, v_hi = _series(rows, hi, x)
         if v_lo and len(v_lo) == len(v_hi):
             ax.fill_between(s_lo, v_lo, v_hi, alpha=alpha, color="C0", label=f"{lo[-3:]}-{hi[-3:]}")
-    s_max, v_max = _series(rows, "reward_max")
+    s_max, v_max = _series(rows, "reward_max", x)
     if v_max:
         ax.plot(s_max, v_max, ":", color="C1", label="max")
-    ax.set(xlabel="step", ylabel="reward", title="reward per batch")
+    ax.set(xlabel=xlabel, ylabel="reward", title="reward per batch")
     ax.legend(loc="best")
     save(fig, "reward.png")
 
@@ -78,11 +107,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         save(fig, "reward_distribution.png")
 
     for key in ("kl", "entropy"):
-        steps, vals = _series(rows, key)
+        steps, vals = _series(rows, key, x)
         if vals:
             fig, ax = plt.subplots(figsize=(8, 4.5))
             ax.plot(steps, vals)
-            ax.set(xlabel="step", ylabel=key, title=key)
+            ax.set(xlabel=xlabel, ylabel=key, title=key)
             save(fig, f"{key}.png")
         else:
             log.info("no %r in %s/metrics.jsonl: %s.png skipped", key, run_dir, key)
@@ -98,32 +127,44 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         a1.set_xticks(sorted(hist))
     a1.set(xlabel="version lag", ylabel="tokens", title="version lag of trained tokens")
     for key, style in (("lag_mean", "-"), ("lag_max", "--")):
-        steps, vals = _series(rows, key)
+        steps, vals = _series(rows, key, x)
         a2.plot(steps, vals, style, label=key)
-    a2.set(xlabel="step", ylabel="versions", title="version lag over time")
+    a2.set(xlabel=xlabel, ylabel="versions", title="version lag over time")
     a2.legend(loc="best")
     save(fig, "lag.png")
 
     # Throughput per role.
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, label in (("gen_tokens_per_s", "generators (tokens/s)"), ("learner_tokens_per_s", "learner (tokens/s)")):
-        steps, vals = _series(rows, key)
+        steps, vals = _series(rows, key, x)
         if vals:
             ax.plot(steps, vals, label=label)
-    ax.set(xlabel="step", ylabel="tokens/s", title="throughput per role")
+    ax.set(xlabel=xlabel, ylabel="tokens/s", title="throughput per role")
     ax.legend(loc="best")
     save(fig, "throughput.png")
 
     # Weight sync time and idle ratios.
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    steps, vals = _series(rows, "sync_s")
+    steps, vals = _series(rows, "sync_s", x)
     a1.plot(steps, vals, marker=".")
-    a1.set(xlabel="step", ylabel="seconds", title="weight sync time")
+    a1.set(xlabel=xlabel, ylabel="seconds", title="weight sync time")
     for key, label in (("idle_ratio", "learner idle"), ("gen_idle_ratio_mean", "generators idle")):
-        steps, vals = _series(rows, key)
+        steps, vals = _series(rows, key, x)
         if vals:
             a2.plot(steps, vals, label=label)
-    a2.set(xlabel="step", ylabel="fraction", title="idle ratios", ylim=(0, 1))
+    a2.set(xlabel=xlabel, ylabel="fraction", title="idle ratios", ylim=(0, 1))
     a2.legend(loc="best")
     save(fig, "sync.png")
+
+    # Held-out accuracy of the evaluation rounds (eval.every > 0).
+    if not any("eval/pass@1" in r for r in rows):
+        return written
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key in ("eval/pass@1", "eval/mean@k", "eval/pass@k"):
+        steps, vals = _series(rows, key, x)
+        if vals:
+            ax.plot(steps, vals, marker=".", label=key.removeprefix("eval/"))
+    ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="evaluation", ylim=(0, 1))
+    ax.legend(loc="best")
+    save(fig, "eval.png")
     return written

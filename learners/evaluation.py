@@ -50,6 +50,8 @@ class Evaluator:
                 raise
         log.info("evaluation every %d steps on %d held-out prompts (k=%d)", cfg.eval.every, len(self.rows),
                  cfg.eval.k)
+        if cfg.eval.before_train and not cfg.run.resume:
+            self.publish(0)  # the starting model's figure, the first point of every curve
 
     def publish(self, version: int) -> None:
         if version in self.published:
@@ -92,7 +94,9 @@ class Evaluator:
                                "eval/num_results": len(rnd.results)})
                 continue
             row = {"step": step, "eval/version": rnd.version, **summarize(list(rnd.results.values()), self.cfg.eval.k),
-                   "eval/seconds": max(r.finished_at for r in rnd.results.values()) - rnd.published_at}
+                   "eval/seconds": max(r.finished_at for r in rnd.results.values()) - rnd.published_at,
+                   # Wall clock when the evaluated weights were current: the x of an accuracy-over-time curve.
+                   "eval/published_at": rnd.published_at}
             self._append(row)
             rows.append(row)
             print(f"eval version={rnd.version} pass@1={row['eval/pass@1']:.3f} "

