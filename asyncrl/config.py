@@ -167,6 +167,7 @@ class BufferConfig:
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
     prompt_backlog: Annotated[int, AtLeastOne] = 64  # released-but-unleased prompts kept in the stream at most
     redis_retry_s: Annotated[float, Positive] = 600.0  # every role retries a lost Redis (restart) this long before failing
+    drain_timeout_s: Annotated[float, Positive] = 10.0  # SIGTERM: the buffer is gone by then, Redis up or down
     # How the learner picks groups (learners/reader.py): oldest first; newest first within the
     # staleness bound; or each group reused up to `replay_ratio` times within the staleness bound.
     sampling: Literal["fifo", "newest", "replay"] = "fifo"

@@ -9,6 +9,10 @@ A retried command may already have run on the server before the connection broke
 the project retries is idempotent (dedupe keys, compare-and-set Lua scripts, XACK) — see store.py.
 `outages()` counts recoveries in this process; readers use it to re-scan what a lost reply may
 have delivered (learners/reader.py).
+
+A role told to leave (SIGTERM: asyncrl/leaving.py) calls `leave_by(deadline)`: from then on a lost
+Redis is retried only until that deadline, then the call raises, so the role's own drain timeout
+bounds its exit instead of `redis_retry_s` (a buffer signalled during an outage retried for 600 s).
 """
 
 from __future__ import annotations
@@ -27,6 +31,17 @@ log = logging.getLogger(__name__)
 RETRYABLE = (ConnectionError, TimeoutError)
 LOG_EVERY_S = 5.0
 _outages = 0
+_leave_at: float | None = None  # time.monotonic() past which a failing call stops retrying
+
+
+def leave_by(deadline: float) -> None:
+    """This process is leaving: retry a lost Redis only until `deadline` (time.monotonic())."""
+    global _leave_at
+    _leave_at = deadline if _leave_at is None else min(_leave_at, deadline)
+
+
+def leaving() -> bool:
+    return _leave_at is not None
 
 
 def outages() -> int:
@@ -45,6 +60,9 @@ class _Outage:
     def failed(self, error: Exception, failures: int) -> None:
         now = time.monotonic()
         down = now - self.t0
+        if _leave_at is not None and now >= _leave_at:
+            log.warning("redis unreachable for %.1fs while leaving: giving up (%s)", down, error)
+            raise error
         if down > self.give_up_s:
             log.error("REDIS UNREACHABLE for %.1fs (> buffer.redis_retry_s=%.0f): giving up: %r", down,
                       self.give_up_s, error)
@@ -53,6 +71,12 @@ class _Outage:
             self.last_log = now
             log.error("REDIS UNREACHABLE (%s, down %.1fs, attempt %d): retrying with backoff for up to %.0fs",
                       error, down, failures, self.give_up_s)
+
+    def pause_s(self, backoff_s: float) -> float:
+        """The backoff, cut short at the leave deadline."""
+        if _leave_at is None:
+            return backoff_s
+        return max(min(backoff_s, _leave_at - time.monotonic()), 0.0)
 
     def recovered(self, failures: int) -> None:
         global _outages
@@ -77,7 +101,7 @@ class LoudRetry(Retry):
                 fail(error, failures) if with_failure_count else fail(error)
                 outage = outage or _Outage(self.give_up_s)
                 outage.failed(error, failures)
-                time.sleep(self._backoff.compute(failures))
+                time.sleep(outage.pause_s(self._backoff.compute(failures)))
                 continue
             if outage is not None:
                 outage.recovered(failures)
@@ -101,7 +125,7 @@ class AsyncLoudRetry(AsyncRetry):
                 await (fail(error, failures) if with_failure_count else fail(error))
                 outage = outage or _Outage(self.give_up_s)
                 outage.failed(error, failures)
-                await asyncio.sleep(self._backoff.compute(failures))
+                await asyncio.sleep(outage.pause_s(self._backoff.compute(failures)))
                 continue
             if outage is not None:
                 outage.recovered(failures)

@@ -9,7 +9,6 @@ Three duties in one loop:
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ from asyncrl.config import Config
 from asyncrl.keys import PROMPT_GROUP, Keys, connect, log_event
 from asyncrl.modes import admission_staleness
 from asyncrl.notify import NotifyPipe, publish
+from asyncrl.retry import RETRYABLE
 from asyncrl.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
 from asyncrl.tasks import PromptRecord, copy_dataset, iter_epochs
 
@@ -371,6 +371,18 @@ class BufferService:
     def run(self) -> None:
         self.setup()
         self._start_notify()
+        try:
+            self._loop()
+            self.publish_metrics()
+        except RETRYABLE as e:
+            if not self._stop.is_set():
+                raise
+            # Leaving during an outage (asyncrl/leaving.py bounds the retries): frames taken off the
+            # socket and not stored are still in the generators' outboxes, which re-send them.
+            log.warning("buffer leaves with Redis unreachable (%s): last counters not published", e)
+        self._close()
+
+    def _loop(self) -> None:
         fallback_s = RELEASE_FALLBACK_S if self.notify is not None else RELEASE_BACKLOG_S
         last_release = last_reclaim = last_metrics = 0.0
         while not self._stop.is_set():
@@ -393,7 +405,8 @@ class BufferService:
             if now - last_reclaim > min(5.0, self.cfg.buffer.lease_timeout_s / 2):
                 self.reclaim()
                 last_reclaim = now
-        self.publish_metrics()
+
+    def _close(self) -> None:
         if self.notify is not None:
             self.notify.close()
         self.sock.close(0)
@@ -404,7 +417,9 @@ class BufferService:
 
 
 def main(cfg: Config) -> None:
+    from asyncrl.leaving import Leaving
+
     service = BufferService(cfg)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
+    leaving = Leaving("buffer", "buffer.drain_timeout_s", cfg.buffer.drain_timeout_s, service.stop).install()
     service.run()
+    leaving.cancel()
