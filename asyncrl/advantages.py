@@ -3,13 +3,27 @@ sequences, T = completion tokens.
 
 Whitening (REINFORCE++, GAE) is over the whole batch: with data-parallel ranks each holding part of
 it, pass `all_reduce` (an in-place sum over the ranks) and the mean and std are the whole batch's,
-so world size 2 makes the same update as world size 1."""
+so world size 2 makes the same update as world size 1.
+
+The registered estimators (asyncrl/registry.py ADVANTAGES, the values of algorithm.advantage) take
+one `AdvantageInputs` and return (advantages_BT, returns_BT or None); the functions they call take
+tensors and numbers only. A KL-in-reward penalty (algorithm.kl_in=reward) arrives per token: the
+token-level estimators (REINFORCE++, GAE) subtract it at each token, which is what credit
+assignment over the sequence needs; the outcome estimators (one score per sample) subtract its
+sequence sum, which for them is the same thing."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from asyncrl.registry import ADVANTAGES
+
+if TYPE_CHECKING:
+    from asyncrl.config import AlgorithmConfig
 
 AllReduce = Callable[[torch.Tensor], object]  # in-place sum over the data-parallel ranks
 
@@ -56,13 +70,16 @@ def reinforce_pp_baseline(rewards_GN: torch.Tensor, mask_BT: torch.Tensor, eps: 
 
 
 def gae(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE with a terminal reward on each sequence's last valid token; returns (advantages, returns)."""
+        lam: float = 0.95, kl_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with a terminal reward on each sequence's last valid token, minus `kl_BT` (a per-token
+    penalty, already scaled) at every token; returns (advantages, returns)."""
     mask = mask_BT.to(torch.float32)
     B, T = mask.shape
     r_BT = torch.zeros_like(mask)
     last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask.bool()
     r_BT[last] = rewards_B.to(torch.float32)
+    if kl_BT is not None:
+        r_BT = r_BT - kl_BT.to(torch.float32) * mask
     adv = torch.zeros_like(mask)
     running = torch.zeros(B, dtype=torch.float32, device=mask.device)
     values = values_BT.to(torch.float32) * mask
@@ -72,6 +89,35 @@ def gae(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
         running = (delta + gamma * lam * running * (mask[:, t + 1] if t + 1 < T else 0.0)) * mask[:, t]
         adv[:, t] = running
     return adv, (adv + values) * mask
+
+
+def grpo_passk(rewards_GN: torch.Tensor, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Pass@k training: only each group's best sample gets an advantage, r_max - r_second (divided
+    by the group's std when `norm_std`); the others get 0. A tie at the top gives 0 to everyone."""
+    assert rewards_GN.shape[1] > 1, "pass@k needs at least two samples per group"
+    top2, idx = rewards_GN.topk(2, dim=1)
+    gap_G = top2[:, 0] - top2[:, 1]
+    if norm_std:
+        gap_G = gap_G / (rewards_GN.std(dim=1) + eps)
+    return torch.zeros_like(rewards_GN).scatter(1, idx[:, :1], gap_G[:, None])
+
+
+def opo(rewards_GN: torch.Tensor, lengths_GN: torch.Tensor) -> torch.Tensor:
+    """OPO: r minus the length-weighted group mean sum(l_i r_i) / sum(l_i), the variance-optimal
+    baseline for a sequence-level reward under exact on-policy sampling. A group of empty completions
+    falls back to the plain mean."""
+    w = lengths_GN.to(rewards_GN.dtype)
+    total = w.sum(dim=1, keepdim=True)
+    weighted = (w * rewards_GN).sum(dim=1, keepdim=True) / total.clamp(min=1e-12)
+    baseline = torch.where(total > 0, weighted, rewards_GN.mean(dim=1, keepdim=True))
+    return rewards_GN - baseline
+
+
+def gpg(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """GPG: group-mean-centred reward times alpha = B / (samples with a non-zero reward), which
+    undoes the dilution of the batch gradient by samples that carry no signal."""
+    alpha = rewards_GN.numel() / max(int(torch.count_nonzero(rewards_GN)), 1)
+    return alpha * (rewards_GN - rewards_GN.mean(dim=1, keepdim=True))
 
 
 def whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6,
@@ -104,3 +150,90 @@ def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT:
     err = torch.maximum((values_BT - returns_BT) ** 2, (clipped - returns_BT) ** 2)
     mask = mask_BT.to(err.dtype)
     return 0.5 * (err * mask).sum() / mask.sum().clamp(min=1)
+
+
+# ---- the registry: algorithm.advantage -------------------------------------------------------------
+
+
+@dataclass
+class AdvantageInputs:
+    """The whole step's inputs of an estimator (every rank holds them). B = G*N, in group order."""
+
+    scores_GN: torch.Tensor  # each sample's (shaped) outcome reward
+    mask_BT: torch.Tensor  # valid completion tokens
+    alg: AlgorithmConfig
+    kl_BT: torch.Tensor | None = None  # kl_in=reward: kl_coef * the per-token KL, subtracted as a reward
+    values_BT: torch.Tensor | None = None  # the critic's values of the behaviour batch (gae)
+    all_reduce: AllReduce | None = None
+
+    def outcome_GN(self) -> torch.Tensor:
+        """Scores minus each sequence's summed KL penalty (the outcome estimators' reward)."""
+        if self.kl_BT is None:
+            return self.scores_GN
+        return self.scores_GN - (self.kl_BT * self.mask_BT).sum(dim=1).view_as(self.scores_GN)
+
+    def per_token(self, adv_GN: torch.Tensor) -> torch.Tensor:
+        return adv_GN.reshape(-1)[:, None] * self.mask_BT
+
+
+@ADVANTAGES.register("grpo", ref="DeepSeekMath (arXiv:2402.03300)")
+def _grpo(x: AdvantageInputs):
+    """Group baseline: (r - group mean) / group std, one value per sample."""
+    return x.per_token(grpo(x.outcome_GN(), norm_std=True)), None
+
+
+@ADVANTAGES.register("dr_grpo", ref="Dr. GRPO (arXiv:2503.20783)")
+def _dr_grpo(x: AdvantageInputs):
+    """GRPO without the std division (pair with aggregation=seq_mean_token_sum_norm)."""
+    return x.per_token(grpo(x.outcome_GN(), norm_std=False)), None
+
+
+@ADVANTAGES.register("grpo_passk", ref="Pass@k Training (arXiv:2503.19595); verl grpo_passk")
+def _grpo_passk(x: AdvantageInputs):
+    """Pass@k: only the group's best sample is credited, by its margin over the second best."""
+    return x.per_token(grpo_passk(x.outcome_GN(), norm_std=x.alg.passk_norm_std)), None
+
+
+@ADVANTAGES.register("rloo", ref="Ahmadian et al. 2024 (arXiv:2402.14740)")
+def _rloo(x: AdvantageInputs):
+    """Leave-one-out baseline: r minus the mean of the group's other samples."""
+    return x.per_token(rloo(x.outcome_GN())), None
+
+
+@ADVANTAGES.register("opo", ref="OPO (arXiv:2505.23585)")
+def _opo(x: AdvantageInputs):
+    """Length-weighted group-mean baseline (the optimal baseline for sequence rewards)."""
+    return x.per_token(opo(x.outcome_GN(), x.mask_BT.sum(dim=1).view_as(x.scores_GN))), None
+
+
+@ADVANTAGES.register("gpg", ref="GPG (arXiv:2504.02546)")
+def _gpg(x: AdvantageInputs):
+    """Group-mean-centred reward rescaled by batch / non-zero-reward samples (pair with loss=gpg)."""
+    return x.per_token(gpg(x.outcome_GN())), None
+
+
+@ADVANTAGES.register("reinforce_pp", ref="REINFORCE++ (arXiv:2501.03262)")
+def _reinforce_pp(x: AdvantageInputs):
+    """Token-level discounted return (algorithm.gamma) of reward minus per-token KL, whitened over the batch."""
+    kl_coef = 1.0 if x.kl_BT is not None else 0.0
+    return reinforce_pp(x.scores_GN.reshape(-1), x.mask_BT, x.kl_BT, kl_coef, x.alg.gamma,
+                        all_reduce=x.all_reduce), None
+
+
+@ADVANTAGES.register("reinforce_pp_baseline", ref="REINFORCE++ (arXiv:2501.03262)")
+def _reinforce_pp_baseline(x: AdvantageInputs):
+    """Group-mean baseline, then whitening over the batch's tokens."""
+    return reinforce_pp_baseline(x.outcome_GN(), x.mask_BT, all_reduce=x.all_reduce), None
+
+
+@ADVANTAGES.register("gae", ref="GAE (arXiv:1506.02438); PPO", critic=True)
+def _gae(x: AdvantageInputs):
+    """Critic baseline: GAE(gamma, lam) over tokens, whitened; the critic is fitted to the returns."""
+    assert x.values_BT is not None, "advantage=gae needs the critic's values of the batch"
+    adv, returns = gae(x.scores_GN.reshape(-1), x.values_BT, x.mask_BT, x.alg.gamma, x.alg.lam, x.kl_BT)
+    return whiten(adv, x.mask_BT, all_reduce=x.all_reduce), returns
+
+
+def estimate(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """algorithm.advantage's (advantages_BT, returns_BT or None)."""
+    return ADVANTAGES.get(x.alg.advantage).fn(x)

@@ -234,11 +234,26 @@ class LearnerConfig:
     cpus: str = ""  # CPU list of the learner's ranks (torch threads = CPUs / nproc); empty: no pinning
 
 
+def _registered(family: str) -> Any:
+    """The Literal of a registry's names (asyncrl/registry.py), read without importing torch."""
+    from asyncrl import registry
+
+    return Literal[getattr(registry, family).names()]
+
+
+AdvantageName = _registered("ADVANTAGES")
+PolicyLossName = _registered("POLICY_LOSSES")
+KLEstimatorName = _registered("KL_ESTIMATORS")
+AggregationName = _registered("AGGREGATIONS")
+RolloutRSName = _registered("ROLLOUT_CORRECTIONS")
+
+
 @dataclass
 class AlgorithmConfig:
+    # Every algorithm's value, what it is for and its reference: docs/algorithms.md (from asyncrl/registry.py).
     # gae trains a critic (learners/critic.py) and works with generator.n=1; the others are group baselines.
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
-    loss: Literal["decoupled_ppo", "ppo", "tis", "mis", "cispo", "gspo"] = "decoupled_ppo"
+    advantage: AdvantageName = "grpo"
+    loss: PolicyLossName = "decoupled_ppo"
     clip_low: Annotated[float, NonNegative] = 0.2
     clip_high: Annotated[float, NonNegative] = 0.2  # > clip_low: DAPO clip-higher
     dual_clip: float = 0.0  # > 1: dual-clip bound on negative-advantage tokens; 0: off
@@ -247,8 +262,8 @@ class AlgorithmConfig:
     mis_low: Annotated[float, Positive] = 0.5  # masked IS (loss=mis): tokens with pi/mu outside [low, high] are dropped
     mis_high: float = 2.0
     kl_coef: Annotated[float, NonNegative] = 0.0  # KL to the frozen reference (the initial model); 0: no reference is loaded
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"
+    kl_estimator: KLEstimatorName = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"  # reward: kl_coef * per-token KL subtracted from each token's reward
     kl_target: Annotated[float, NonNegative] = 0.0  # > 0: adaptive coefficient tracking this KL (PPO controller); 0: fixed
     kl_horizon: Annotated[int, AtLeastOne] = 10000
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards have zero variance (counted)
@@ -258,11 +273,51 @@ class AlgorithmConfig:
     # top_p < 1 / top_k > 0 make behaviour log-probs those of the truncated distribution while the learner's
     # are full-softmax: the off-policy losses then see a biased ratio. Allow it only knowingly.
     allow_truncated_sampling: bool = False
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    # advantage=gae: discount, GAE lambda and PPO value clipping (|V - V_old| <= value_clip; 0: off).
+    aggregation: AggregationName = "token_mean"
+    loss_norm_tokens: Annotated[int, NonNegative] = 0  # seq_mean_token_sum_norm's constant; 0: generator.max_tokens
+    critic_aggregation: AggregationName = "token_mean"  # advantage=gae: the value loss's aggregation
+    # Discount (GAE and REINFORCE++), GAE lambda and PPO value clipping (|V - V_old| <= value_clip; 0: off).
     gamma: Annotated[float, Fraction] = 1.0
     lam: Annotated[float, Fraction] = 0.95
     value_clip: Annotated[float, NonNegative] = 0.2
+    entropy_coef: Annotated[float, NonNegative] = 0.0  # loss -= entropy_coef * aggregated exact entropy
+    # Rollout correction (asyncrl/rollout_correction.py): reject tokens / sequences by their pi_prox / mu,
+    # e.g. rollout_rs=[token_k1,seq_mean_k3] rollout_rs_threshold=[2.0,0.01] (one threshold, or one each).
+    rollout_rs: list[RolloutRSName] = field(default_factory=list)
+    rollout_rs_threshold: list[float] = field(default_factory=lambda: [2.0])
+    is_normalize: bool = False  # divide the loss's behaviour IS weights by their batch mean (mean 1)
+    passk_norm_std: bool = True  # advantage=grpo_passk: divide the margin by the group's std
+    sapo_tau_pos: Annotated[float, Positive] = 1.0  # loss=sapo: gate temperature for A > 0
+    sapo_tau_neg: Annotated[float, Positive] = 1.05  # loss=sapo: gate temperature for A <= 0
+    cov_ratio: Annotated[float, Range(gt=0, le=1)] = 0.0002  # loss=clip_cov / kl_cov: fraction of tokens picked
+    cov_lb: float = 1.0  # loss=clip_cov: covariance band (lb, ub) of the tokens that may be detached
+    cov_ub: float = 5.0
+    cov_kl_coef: Annotated[float, NonNegative] = 1.0  # loss=kl_cov: weight of |log r| on the picked tokens
+    dppo_ratio_cap: Annotated[float, Range(ge=1)] = 20.0  # loss=dppo_*: C in sg(min(r, C)); the masks use clip_low/high
+
+    def config_errors(self) -> list[str]:
+        """Cross-field mistakes within the algorithm section, one message each."""
+        from asyncrl import registry
+
+        errors = []
+        n_rs, n_t = len(self.rollout_rs), len(self.rollout_rs_threshold)
+        if self.rollout_rs and n_t not in (1, n_rs):
+            errors.append(f"algorithm.rollout_rs_threshold must hold one threshold or one per algorithm.rollout_rs "
+                          f"criterion ({n_rs}), got {n_t}")
+        for name, t in zip(self.rollout_rs, self.rollout_rs_threshold * n_rs if n_t == 1 else
+                           self.rollout_rs_threshold, strict=False):
+            if name.endswith("k1") and t <= 1:
+                errors.append(f"algorithm.rollout_rs_threshold for {name} bounds the ratio to [1/t, t]: it must be "
+                              f"> 1, got {t}")
+            elif t <= 0:
+                errors.append(f"algorithm.rollout_rs_threshold for {name} must be > 0, got {t}")
+        if self.is_normalize and not registry.POLICY_LOSSES.static_meta(self.loss).get("is_weight"):
+            with_w = [n for n in registry.POLICY_LOSSES.names() if registry.POLICY_LOSSES.static_meta(n).get("is_weight")]
+            errors.append(f"algorithm.is_normalize=true rescales a behaviour IS weight, which algorithm.loss={self.loss} "
+                          f"does not have: use one of {with_w} or set algorithm.is_normalize=false")
+        if self.cov_lb >= self.cov_ub:
+            errors.append(f"algorithm.cov_lb ({self.cov_lb}) must be < algorithm.cov_ub ({self.cov_ub})")
+        return errors
 
 
 @dataclass
@@ -448,6 +503,8 @@ class Config:
             if self.reward.name == "copy" and not (self.reward.function or self.reward.model):
                 raise ConfigError("data.task=arith is scored by reward.name=arith (the copy reward compares "
                                   "letters): set reward.name=arith")
+        for message in self.algorithm.config_errors():
+            raise ConfigError(message)
         from asyncrl.modes import config_errors  # run.mode=sync cross-field checks
 
         for message in config_errors(self):

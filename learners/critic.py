@@ -99,8 +99,8 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
                   old_values_N: torch.Tensor, returns_N: torch.Tensor, cfg: Config, rank: int = 0, world: int = 1,
                   pad_id: int = 0, scheduler=None) -> dict[str, float]:
     """The PPO clipped value loss over the same mini- and micro-batches as the policy (`plan`), one
-    optimizer step per mini-batch, the token mean normalised over each whole mini-batch (as in
-    `policy_update`).
+    optimizer step per mini-batch, aggregated by algorithm.critic_aggregation (default the token
+    mean) and normalised over each whole mini-batch (as in `policy_update`).
 
     Stats: this rank's part of the mean mini-batch value loss of the first epoch (the critic as it
     scored the batch on a first update; the ranks' parts add up to it), the fraction of this rank's
@@ -111,6 +111,7 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
 
     alg, lc = cfg.algorithm, cfg.learner
     clip = alg.value_clip or float("inf")  # 0: off
+    norm_tokens = alg.loss_norm_tokens or cfg.generator.max_tokens
     critic.train()
     parts, grad_norm = [], None
     wins_sum = torch.zeros((), device=step.device)
@@ -124,7 +125,8 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
                 old, ret, mask = mb.grid(old_values_N[mb.flat_N]), mb.grid(returns_N[mb.flat_N]), mb.mask_bT
                 clipped = old + (v - old).clamp(-clip, clip)
                 err = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
-                loss = aggregate_normalised(err, mask, "token_mean", mbatch.num_tokens, mbatch.num_seqs)
+                loss = aggregate_normalised(err, mask, alg.critic_aggregation, mbatch.num_tokens, mbatch.num_seqs,
+                                            norm_tokens)
                 (loss * world).backward()
                 part += loss.detach()
                 if epoch == 0 and mb.num_tokens:

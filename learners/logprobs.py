@@ -10,6 +10,10 @@ row chunks inside one autograd Function. Two ways through the backward:
   accumulation; the buffer is the only extra memory, never an fp32 copy of it.
 On CUDA each chunk's log-sum-exp and its gradient are one compiled kernel each (one read of the
 chunk). N = flattened rows, H = hidden size, V = vocabulary.
+
+`with_entropy`: the exact entropy of each row's distribution, H = lse - sum_v p_v z_v, comes out
+beside the log-probs from the same chunks (N more floats saved, never the N x V fp32 probabilities),
+with its gradient dH/dz = -p * (log p + H) folded into the same backward pass over each chunk.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ class ChunkedLinearLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, targets, temperature: float, chunk_rows: int,
-                keep_bytes: int = 0):
+                keep_bytes: int = 0, with_entropy: bool = False):
+        ctx.set_materialize_grads(False)
         inv_t = 1.0 / temperature
         n_rows, vocab = hidden_NH.shape[0], weight_VH.shape[0]
         targets_N = targets.reshape(-1)
@@ -46,33 +51,48 @@ class ChunkedLinearLogprob(torch.autograd.Function):
         mm_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
         keep = any(ctx.needs_input_grad[:3]) and 0 < n_rows * vocab * mm_dtype.itemsize <= keep_bytes
         logits_NV = torch.empty(n_rows, vocab, dtype=mm_dtype, device=hidden_NH.device) if keep else None
+        ent = torch.empty(targets.shape, dtype=torch.float32, device=hidden_NH.device) if with_entropy else None
         for i in range(0, n_rows, chunk_rows):
             rows = slice(i, i + chunk_rows)
             logits = _chunk_logits(hidden_NH[rows], weight_VH, bias_V, inv_t,
                                    out=logits_NV[rows] if keep else None)
             out_N[rows], lse_N[rows] = _logp_lse(logits, targets_N[rows])
-        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, lse_N)
+            if with_entropy:
+                ent.view(-1)[rows] = _entropy_eager(logits, lse_N[rows])
+        ent_N = ent.view(-1) if with_entropy else None
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, lse_N, ent_N)
         ctx.inv_t, ctx.chunk_rows, ctx.logits_NV = inv_t, chunk_rows, logits_NV
-        return out
+        return (out, ent) if with_entropy else out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_ent=None):
+        hidden_NH, weight_VH, bias_V, targets_N, lse_N, ent_N = ctx.saved_tensors
         inv_t, chunk_rows, buf_NV = ctx.inv_t, ctx.chunk_rows, ctx.logits_NV
         ctx.logits_NV = None
+        none = (None,) * 8
+        if grad_out is None and grad_ent is None:
+            return none
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_N = grad_out.reshape(-1).float()
+        grad_N = grad_out.reshape(-1).float() if grad_out is not None else \
+            torch.zeros(hidden_NH.shape[0], dtype=torch.float32, device=hidden_NH.device)
+        grad_ent_N = grad_ent.reshape(-1).float() if grad_ent is not None else None
+
+        def grad_logits_(z, rows):
+            if grad_ent_N is None:
+                return _grad_logits_(z, lse_N[rows], targets_N[rows], grad_N[rows])
+            return _grad_logits_entropy_(z, lse_N[rows], ent_N[rows], targets_N[rows], grad_N[rows], grad_ent_N[rows])
+
         if buf_NV is not None:
             for i in range(0, hidden_NH.shape[0], chunk_rows):
                 rows = slice(i, i + chunk_rows)
-                _grad_logits_(buf_NV[rows], lse_N[rows], targets_N[rows], grad_N[rows])
+                grad_logits_(buf_NV[rows], rows)
             # buf is now dlogp/dz for every row: one matmul each, accumulated in fp32 by the GEMM.
             h = hidden_NH * inv_t if inv_t != 1.0 else hidden_NH
             grad_h = ((buf_NV @ weight_VH) * inv_t).to(hidden_NH.dtype) if need_h else None
             grad_w = (buf_NV.t() @ h.to(buf_NV.dtype)).to(weight_VH.dtype) if need_w else None
             grad_b = (buf_NV.sum(0, dtype=torch.float32) * inv_t).to(bias_V.dtype) \
                 if need_b and bias_V is not None else None
-            return grad_h, grad_w, grad_b, None, None, None, None
+            return grad_h, grad_w, grad_b, None, None, None, None, None
         grad_h = torch.empty_like(hidden_NH) if need_h else None
         # Weight grads accumulate across chunks in fp32 so bf16 rounding happens once, not per chunk.
         grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
@@ -82,7 +102,7 @@ class ChunkedLinearLogprob(torch.autograd.Function):
             rows = slice(i, i + chunk_rows)
             h = hidden_NH[rows]
             grad_z = _chunk_logits(h, weight_VH, bias_V, inv_t)
-            _grad_logits_(grad_z, lse_N[rows], targets_N[rows], grad_N[rows])
+            grad_logits_(grad_z, rows)
             if grad_h is not None:
                 grad_h[rows] = (grad_z @ weight_VH) * inv_t
             if grad_w is not None:
@@ -93,7 +113,7 @@ class ChunkedLinearLogprob(torch.autograd.Function):
             grad_w = grad_w.to(weight_VH.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias_V.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _logp_lse_eager(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +125,21 @@ def _logp_lse_eager(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[t
 def _grad_logits_eager(logits_cV, lse_c, targets_c, g_c) -> torch.Tensor:
     """Overwrites z with d(sum g * logp) / dz = g * (onehot(y) - softmax(z)), computed in fp32."""
     grad = torch.exp(logits_cV.float() - lse_c[:, None]) * (-g_c)[:, None]
+    grad.scatter_add_(1, targets_c[:, None], g_c[:, None])
+    return logits_cV.copy_(grad)
+
+
+def _entropy_eager(logits_cV: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
+    """H = lse - sum_v softmax(z)_v z_v per row, in fp32 (one chunk's fp32 copy at a time)."""
+    z = logits_cV.float()
+    return lse_c - (torch.exp(z - lse_c[:, None]) * z).sum(dim=-1)
+
+
+def _grad_logits_entropy_(logits_cV, lse_c, ent_c, targets_c, g_c, gh_c) -> torch.Tensor:
+    """Overwrites z with d(sum g * logp + gh * H) / dz = g * onehot(y) - p * (g + gh * (log p + H))."""
+    z = logits_cV.float()
+    logp = z - lse_c[:, None]
+    grad = -torch.exp(logp) * (g_c[:, None] + gh_c[:, None] * (logp + ent_c[:, None]))
     grad.scatter_add_(1, targets_c[:, None], g_c[:, None])
     return logits_cV.copy_(grad)
 
@@ -197,7 +232,7 @@ def _output_head(model: nn.Module) -> nn.Linear:
 def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, temperature: float,
                             chunk_rows: int | None = None, rows_BT: torch.Tensor | None = None,
                             keep_logits_bytes: int = 0, position_ids_BL: torch.Tensor | None = None,
-                            attn_kwargs: dict | None = None, flat: bool = False) -> torch.Tensor:
+                            attn_kwargs: dict | None = None, flat: bool = False, with_entropy: bool = False):
     # Runs as an FSDP2 forward method: the root's parameters (embeddings, final norm, output head; a
     # tied head shares the embedding weight) are unsharded here and their grads reduced afterwards.
     head = _output_head(self)
@@ -216,7 +251,8 @@ def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, te
     targets_n = input_ids_BL.reshape(-1).index_select(0, idx_BL + 1)
     if flat:
         return ChunkedLinearLogprob.apply(hidden_BLH.reshape(-1, H).index_select(0, idx_BL), head.weight, head.bias,
-                                          targets_n, temperature, chunk_rows, keep_logits_bytes)
+                                          targets_n, temperature, chunk_rows, keep_logits_bytes, with_entropy)
+    assert not with_entropy, "the entropy comes with flat=True log-probs"
     return _picked_logprobs(hidden_BLH.reshape(-1, H), idx_BL, targets_n, idx_N, torch.Size((B, L - 1)), head.weight,
                             head.bias, temperature, chunk_rows, keep_logits_bytes)
 
@@ -224,14 +260,14 @@ def _token_logprobs_forward(self: nn.Module, input_ids_BL, attention_mask_BL, te
 def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None,
                       temperature: float, chunk_rows: int | None = None, rows_BT: torch.Tensor | None = None,
                       keep_logits_bytes: int = 0, position_ids_BL: torch.Tensor | None = None,
-                      attn_kwargs: dict | None = None, flat: bool = False) -> torch.Tensor:
+                      attn_kwargs: dict | None = None, flat: bool = False, with_entropy: bool = False):
     """logp_BT[b, j] = log pi(input_ids[b, j+1] | input_ids[b, :j+1]) at `temperature`, for a Hugging
     Face causal LM (plain or FSDP2-wrapped), without materialising B x T x V logits. With `rows_BT`
     (a bool B x T mask, or flat int64 indices into B x T: `Batch.loss_rows`) only those positions
     are computed (the rest are 0): the learner passes its loss positions, so the output head never
     runs on prompt or padding positions. `flat`: return just those positions' log-probs, in the
     order of `rows_BT` (int64 indices). `position_ids_BL` / `attn_kwargs`: packed rows
-    (learners/batch.py `MicroBatch`)."""
+    (learners/batch.py `MicroBatch`). `with_entropy` (with `flat`): (log-probs, exact entropies)."""
     method = getattr(model, _METHOD, None)
     if method is None:
         from torch.distributed.fsdp import register_fsdp_forward_method
@@ -242,12 +278,13 @@ def sequence_logprobs(model: nn.Module, input_ids_BL: torch.Tensor, attention_ma
         register_fsdp_forward_method(model, _METHOD)
         method = getattr(model, _METHOD)
     return method(input_ids_BL, attention_mask_BL, temperature, chunk_rows, rows_BT, keep_logits_bytes,
-                  position_ids_BL, attn_kwargs, flat)
+                  position_ids_BL, attn_kwargs, flat, with_entropy)
 
 
-def micro_logprobs(model: nn.Module, mb, temperature: float, keep_logits_bytes: int = 0) -> torch.Tensor:
+def micro_logprobs(model: nn.Module, mb, temperature: float, keep_logits_bytes: int = 0,
+                   with_entropy: bool = False):
     """Log-probs of a micro-batch's completion tokens (learners/batch.py `MicroBatch`), flat, in
-    the order of its `flat_N`."""
+    the order of its `flat_N`; with `with_entropy`, (log-probs, exact entropies)."""
     return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, rows_BT=mb.rows,
                              keep_logits_bytes=keep_logits_bytes, position_ids_BL=mb.position_ids,
-                             attn_kwargs=mb.attn_kwargs, flat=True)
+                             attn_kwargs=mb.attn_kwargs, flat=True, with_entropy=with_entropy)

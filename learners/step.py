@@ -16,15 +16,18 @@ values give the advantages, and the critic is fitted to the returns (learners/cr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from asyncrl import advantages as adv_fns
+from asyncrl import kl as kl_fns
 from asyncrl import losses
+from asyncrl import rollout_correction as rc
 from asyncrl.algorithms import aggregate_normalised
+from asyncrl.registry import ADVANTAGES
 from learners.batch import StepBatch, micro_batch
 from learners.logprobs import micro_logprobs
 
@@ -72,38 +75,15 @@ def logprobs_N(model: nn.Module, step: StepBatch, micro: list[list[int]], cfg: C
         model.train(was_training)
 
 
-def shaped_rewards(step: StepBatch, alg: AlgorithmConfig, max_tokens: int, kl_seq_S: torch.Tensor | None,
-                   kl_coef: float) -> torch.Tensor:
-    """Rewards after DAPO overlong shaping and, with kl_in=reward, minus kl_coef * sequence KL."""
+def shaped_rewards(step: StepBatch, alg: AlgorithmConfig, max_tokens: int) -> torch.Tensor:
+    """Rewards after DAPO overlong shaping (the KL-in-reward penalty comes per token, `batch_targets`)."""
     r_S = step.rewards_S.to(torch.float32).clone()
     if alg.overlong_buffer > 0:
         # Linear penalty over the last `overlong_buffer` tokens before max_tokens (DAPO soft punishment).
         length_S = torch.tensor(step.comp_len, dtype=torch.float32, device=r_S.device)
         start = max_tokens - alg.overlong_buffer
         r_S -= alg.overlong_penalty * ((length_S - start).clamp(min=0) / alg.overlong_buffer).clamp(max=1.0)
-    if kl_seq_S is not None and alg.kl_in == "reward":
-        r_S -= kl_coef * kl_seq_S
     return r_S
-
-
-def advantages_N(step: StepBatch, rewards_S: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
-    """Group / batch-baseline advantages of every completion token, N floats. Every rank holds the
-    whole step, so group baselines and the batch-wide whitening of the REINFORCE++ pair are the
-    whole step's with no collective."""
-    assert alg.advantage != "gae", "GAE advantages come from batch_targets(..., values_N=...)"
-    n = step.group_size
-    assert n > 1, "group advantages need equal-sized groups of at least two samples"
-    r_GN = rewards_S.view(-1, n)
-    if alg.advantage in ("grpo", "dr_grpo"):
-        return adv_fns.grpo(r_GN, norm_std=alg.advantage == "grpo").reshape(-1)[step.seq_of_N]
-    if alg.advantage == "rloo":
-        return adv_fns.rloo(r_GN).reshape(-1)[step.seq_of_N]
-    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
-    if alg.advantage == "reinforce_pp":
-        return step.flat(adv_fns.reinforce_pp(rewards_S, mask_ST))
-    if alg.advantage == "reinforce_pp_baseline":
-        return step.flat(adv_fns.reinforce_pp_baseline(r_GN, mask_ST))
-    raise AssertionError(alg.advantage)
 
 
 @dataclass
@@ -111,36 +91,64 @@ class Targets:
     """What every update of one step is fitted to, fixed before the first update; N floats each."""
 
     adv_N: torch.Tensor
-    prox_N: torch.Tensor | None  # log pi_prox, when computed ahead (several updates or KL-in-reward)
+    prox_N: torch.Tensor | None  # log pi_prox, when computed ahead (several updates, KL-in-reward, corrections)
     ref_N: torch.Tensor | None = None  # log pi_ref, when a KL term needs it
     returns_N: torch.Tensor | None = None  # advantage=gae: the critic's regression targets
     values_N: torch.Tensor | None = None  # advantage=gae: the critic's values before the step
+    keep_N: torch.Tensor | None = None  # algorithm.rollout_rs: 1 for the tokens the loss keeps, else 0
+    is_scale: torch.Tensor | None = None  # algorithm.is_normalize: the batch-mean IS weight the loss divides by
+    stats: dict = field(default_factory=dict)  # whole-step statistics (rejection fractions, IS normaliser)
+
+
+def rollout_correction(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConfig) -> tuple:
+    """(keep_N or None, is_scale or None, stats): rejection sampling by pi_prox / mu and the batch
+    mean of the loss's IS weight over the kept tokens (asyncrl/rollout_correction.py)."""
+    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
+    prox_ST, behav_ST = step.grid(prox_N), step.grid(step.behav_N.float())
+    keep_ST, stats = mask_ST, {}
+    if alg.rollout_rs:
+        keep_ST, stats = rc.rejection_mask(prox_ST - behav_ST, mask_ST, alg.rollout_rs, alg.rollout_rs_threshold)
+    scale = None
+    if alg.is_normalize:
+        w_ST, level = losses.is_weight_at_prox(alg, prox_ST, behav_ST, keep_ST)
+        scale = rc.batch_mean_weight(w_ST, keep_ST, level)
+        stats["is_norm_factor"] = scale
+    return (step.flat(keep_ST) if alg.rollout_rs else None), scale, stats
 
 
 def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config, rank: int = 0,
                   ref_N: torch.Tensor | None = None, kl_coef: float = 0.0, values_N: torch.Tensor | None = None,
                   pad_id: int = 0) -> Targets:
-    """Proximal log-probs (when needed), shaped rewards, advantages and, for GAE, returns.
+    """Proximal log-probs (when needed), shaped rewards, advantages (algorithm.advantage, from the
+    registry in asyncrl/advantages.py), for GAE the returns, and the rollout corrections.
 
-    GAE runs over completion tokens with the (shaped) reward on each sequence's last token and the
-    critic's `values_N` of the behaviour batch; advantages are then whitened over every valid token
-    of the step (as verl and OpenRLHF do), returns = advantages before whitening + values.
+    With kl_in=reward the penalty kl_coef * KL(pi_prox || pi_ref) is a per-token reward. GAE runs
+    over completion tokens with the (shaped) reward on each sequence's last token and the critic's
+    `values_N` of the behaviour batch; its advantages are whitened over every valid token of the step
+    (as verl and OpenRLHF do), returns = advantages before whitening + values. Rejection sampling and
+    IS normalisation need pi_prox of the whole step before the first update, so they add the no-grad
+    proximal pass when the step has a single update.
     """
     alg = cfg.algorithm
     prox = None
-    if plan.num_updates > 1 or (ref_N is not None and alg.kl_in == "reward"):
+    kl_reward = ref_N is not None and alg.kl_in == "reward"
+    if plan.num_updates > 1 or kl_reward or alg.rollout_rs or alg.is_normalize:
         prox = logprobs_N(model, step, rank_micro_batches(plan, rank), cfg, pad_id)
-    kl_seq_S = None
-    if ref_N is not None and alg.kl_in == "reward":
-        kl_N = losses.kl_estimate(prox, ref_N, alg.kl_estimator)
-        kl_seq_S = torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N, kl_N)
-    rewards_S = shaped_rewards(step, alg, cfg.generator.max_tokens, kl_seq_S, kl_coef)
-    if alg.advantage == "gae":
-        assert values_N is not None, "advantage=gae needs the critic's values of the batch"
-        mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
-        adv, returns = adv_fns.gae(rewards_S, step.grid(values_N), mask_ST, alg.gamma, alg.lam)
-        return Targets(step.flat(adv_fns.whiten(adv, mask_ST)), prox, ref_N, step.flat(returns), values_N)
-    return Targets(advantages_N(step, rewards_S, alg), prox, ref_N)
+    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
+    kl_ST = kl_coef * step.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator)) if kl_reward else None
+    rewards_S = shaped_rewards(step, alg, cfg.generator.max_tokens)
+    critic = ADVANTAGES.static_meta(alg.advantage).get("critic", False)
+    if critic:
+        assert values_N is not None, f"advantage={alg.advantage} needs the critic's values of the batch"
+    else:
+        assert step.group_size > 1, "group advantages need equal-sized groups of at least two samples"
+    # Every rank holds the whole step, so group baselines and batch-wide whitening need no collective.
+    x = adv_fns.AdvantageInputs(rewards_S.view(-1, 1 if critic else step.group_size), mask_ST, alg, kl_ST,
+                                step.grid(values_N) if values_N is not None else None)
+    adv_ST, returns_ST = adv_fns.estimate(x)
+    keep, scale, stats = rollout_correction(step, prox, alg) if (alg.rollout_rs or alg.is_normalize) else (None, None, {})
+    return Targets(step.flat(adv_ST), prox, ref_N, step.flat(returns_ST) if returns_ST is not None else None,
+                   values_N if critic else None, keep, scale, stats)
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
@@ -173,25 +181,6 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def token_loss(alg: AlgorithmConfig, logp, prox, behav, adv, mask):
-    """Per-token loss [b, T] and stats for algorithm.loss (see asyncrl/losses.py)."""
-    dual = alg.dual_clip or None
-    if alg.loss == "decoupled_ppo":
-        return losses.decoupled_ppo(logp, prox, behav, adv, mask, alg.clip_low, alg.clip_high, alg.is_cap,
-                                    alg.is_level, dual)
-    if alg.loss == "ppo":  # plain PPO: the behaviour policy is the old policy
-        return losses.ppo_clip(logp, behav, adv, mask, alg.clip_low, alg.clip_high, dual)
-    if alg.loss == "tis":
-        return losses.tis_pg(logp, behav, adv, mask, alg.is_cap)
-    if alg.loss == "mis":
-        return losses.mis_pg(logp, behav, adv, mask, alg.mis_low, alg.mis_high)
-    if alg.loss == "cispo":
-        return losses.cispo(logp, behav, adv, mask, alg.clip_low, alg.clip_high)
-    if alg.loss == "gspo":
-        return losses.gspo(logp, prox, adv, mask, alg.clip_low, alg.clip_high)
-    raise AssertionError(alg.loss)
-
-
 class _Stats:
     """Token-weighted sums of the loss statistics over micro-batches (maxima for `*_max`), kept on
     the device until one copy at the end."""
@@ -213,6 +202,18 @@ class _Stats:
                 self.sums[k] = self.sums.get(k, 0.0) + v * n
 
 
+def kept_counts(step: StepBatch, mbatch, kept_S: torch.Tensor | None) -> tuple[int, int]:
+    """The mini-batch's loss normalisers (tokens, sequences on all ranks) after rejection sampling:
+    rejected tokens leave the token count, and a sequence with none of its tokens kept leaves the
+    sequence count (an empty completion stays, as without rejection)."""
+    if kept_S is None:
+        return mbatch.num_tokens, mbatch.num_seqs
+    seqs = [s for rank_micro in mbatch.micro for micro in rank_micro for s in micro]
+    kept = kept_S[seqs].tolist() if seqs else []
+    dropped = sum(1 for s, k in zip(seqs, kept, strict=True) if step.comp_len[s] > 0 and k == 0)
+    return int(round(sum(kept))), mbatch.num_seqs - dropped
+
+
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan, cfg: Config,
                   targets: Targets, rank: int = 0, world: int = 1, pad_id: int = 0, kl_coef: float = 0.0,
                   scheduler=None) -> dict[str, float]:
@@ -221,49 +222,70 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     Each micro-batch's loss is its share of the mini-batch loss: summed over its tokens (token_mean)
     or sequences (seq_mean_*) and divided by the mini-batch's count on all ranks, times the world
     size, since FSDP averages gradients over ranks; the accumulated gradient is the exact mini-batch
-    gradient at any world size and any split into micro-batches. Returns this rank's statistics over
-    the first epoch (token-weighted means, maxima), `loss` as this rank's part of the mean
-    mini-batch loss (the ranks' parts add up to it) and the first update's gradient norm.
+    gradient at any world size and any split into micro-batches. The loss is algorithm.loss
+    (asyncrl/losses.py), divided by the batch-mean IS weight with is_normalize, on the tokens
+    rejection sampling kept, + kl_coef * KL (kl_in=loss) - entropy_coef * exact entropy, each term
+    aggregated by algorithm.aggregation. Returns this rank's statistics over the first epoch
+    (token-weighted means, maxima), `loss` as this rank's part of the mean mini-batch loss (the
+    ranks' parts add up to it), the first update's gradient norm and the step's correction statistics.
     """
     alg, lc = cfg.algorithm, cfg.learner
     temperature = cfg.generator.temperature
     keep = int(lc.keep_logits_gb * 2**30)
+    norm_tokens = alg.loss_norm_tokens or cfg.generator.max_tokens
+    kept_S = None
+    if targets.keep_N is not None:
+        kept_S = torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N, targets.keep_N.float())
     stats, loss_parts, grad_norms = _Stats(), [], []
-    w_sum = w_sq = capped = neg_logp = torch.zeros((), device=step.device)
+    w_sum = w_sq = capped = neg_logp = ent_sum = torch.zeros((), device=step.device)
     w_max = torch.full((), float("-inf"), device=step.device)
     model.train()
     for epoch, minibatches in enumerate(plan.epochs):
         for mbatch in minibatches:
             part = torch.zeros((), device=step.device)
+            num_tokens, num_seqs = kept_counts(step, mbatch, kept_S)
+
+            def agg(x_bT, mask_bT, num_tokens=num_tokens, num_seqs=num_seqs):
+                return aggregate_normalised(x_bT, mask_bT, alg.aggregation, num_tokens, num_seqs, norm_tokens)
+
             for seqs in mbatch.micro[rank]:
                 mb = micro_batch(step, seqs, lc.packing, pad_id)
-                logp = mb.grid(micro_logprobs(model, mb, temperature, keep))
+                # The exact entropy comes from the same chunks as the log-probs: for the metrics in
+                # the first epoch, and in every epoch when the loss has an entropy bonus.
+                with_entropy = epoch == 0 or alg.entropy_coef > 0
+                out = micro_logprobs(model, mb, temperature, keep, with_entropy=with_entropy)
+                logp, ent = (mb.grid(out[0]), mb.grid(out[1])) if with_entropy else (mb.grid(out), None)
 
                 def pick(flat_N, mb=mb):
                     return mb.grid(flat_N.index_select(0, mb.flat_N))
 
-                mask, behav, adv = mb.mask_bT, pick(step.behav_N), pick(targets.adv_N)
+                valid, behav, adv = mb.mask_bT, pick(step.behav_N), pick(targets.adv_N)
+                mask = valid if targets.keep_N is None else valid * pick(targets.keep_N)
                 # With a single update per step the proximal policy is the current one, exactly.
                 prox = logp.detach() if targets.prox_N is None else pick(targets.prox_N)
-                loss_bT, st = token_loss(alg, logp, prox, behav, adv, mask)
-                loss = aggregate_normalised(loss_bT, mask, alg.aggregation, mbatch.num_tokens, mbatch.num_seqs)
+                loss_bT, st = losses.policy_loss(losses.LossInputs(logp, prox, behav, adv, mask, alg))
+                if targets.is_scale is not None:
+                    loss_bT = loss_bT / targets.is_scale
+                loss = agg(loss_bT, mask)
                 if targets.ref_N is not None:
-                    kl_bT = losses.kl_estimate(logp, pick(targets.ref_N), alg.kl_estimator)
+                    kl_bT = kl_fns.kl_estimate(logp, pick(targets.ref_N), alg.kl_estimator)
                     st["kl"] = (kl_bT.detach() * mask).sum() / mask.sum().clamp(min=1)
                     if alg.kl_in == "loss":
-                        loss = loss + kl_coef * aggregate_normalised(kl_bT, mask, alg.aggregation, mbatch.num_tokens,
-                                                                     mbatch.num_seqs)
+                        loss = loss + kl_coef * agg(kl_bT, mask)
+                if alg.entropy_coef > 0:
+                    loss = loss - alg.entropy_coef * agg(ent, mask)
                 (loss * world).backward()
                 part += loss.detach()
                 if epoch == 0 and mb.num_tokens:
                     stats.add(st, mb.num_tokens)
-                    m = mask.bool()
+                    m = valid.bool()
                     w = torch.exp(logp.detach() - behav)[m]
                     w_sum, w_sq = w_sum + w.sum(), w_sq + (w**2).sum()
                     w_max = torch.maximum(w_max, w.max())
                     capped = capped + (w > alg.is_cap).sum()
                     # Monte-Carlo entropy estimate from the sampled tokens: -E[log pi(a)].
                     neg_logp = neg_logp - logp.detach()[m].sum()
+                    ent_sum = ent_sum + ent.detach()[m].sum()
             grad_norms.append(clip_grad_norm(model.parameters(), lc.max_grad_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -274,7 +296,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     n = max(stats.tokens, 1)
     st = {k: v / n for k, v in stats.sums.items()} | stats.maxes
     if stats.tokens:
-        st.setdefault("entropy", neg_logp / n)
+        st.setdefault("entropy", ent_sum / n)
+        st.setdefault("entropy_sampled", neg_logp / n)
         st.setdefault("is_weight_mean", w_sum / n)
         st.setdefault("is_weight_max", w_max)
         st["ess"] = w_sum**2 / (n * w_sq).clamp(min=1e-12)
@@ -282,6 +305,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     st.setdefault("ratio_mean", 1.0)
     st.setdefault("ratio_max", 1.0)
     st["clip_frac"] = st.get("clip_frac", st.get("clip_frac_low", 0.0) + st.get("clip_frac_high", 0.0))
+    st.update(targets.stats)  # whole-step values, the same on every rank
     grad_norm = grad_norms[0]
     st.update(loss=torch.stack(loss_parts).mean(), grad_norm=grad_norm.full_tensor()
               if hasattr(grad_norm, "full_tensor") else grad_norm)
