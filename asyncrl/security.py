@@ -146,7 +146,8 @@ def _client_secret_file(keys_dir: Path) -> Path:
 
 
 class LoggingAuthenticator:
-    """A zmq.auth ThreadAuthenticator whose refusals are logged (zmq logs them at DEBUG only) and counted."""
+    """A zmq.auth ThreadAuthenticator whose refusals are logged (zmq logs them at DEBUG only), or
+    handed to `on_refuse(status_text)` (called from the authenticator's thread) when given."""
 
     def __new__(cls, ctx, on_refuse=None):
         from zmq.auth.thread import ThreadAuthenticator
@@ -154,10 +155,11 @@ class LoggingAuthenticator:
         class _Auth(ThreadAuthenticator):
             def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
                 if status_code != b"200":
-                    log.warning("refused a ZeroMQ connection: %s (wrong run token or unknown CURVE key)",
-                                status_text.decode(errors="replace"))
-                    if on_refuse is not None:
+                    if on_refuse is not None:  # the caller counts and logs it
                         on_refuse(status_text.decode(errors="replace"))
+                    else:
+                        log.warning("refused a ZeroMQ connection: %s (wrong run token or unknown CURVE key)",
+                                    status_text.decode(errors="replace"))
                 super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
         return _Auth(ctx, log=logging.getLogger("zmq.auth"))

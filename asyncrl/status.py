@@ -59,6 +59,8 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
     buffer = {"depth": depth, "oldest_age_s": oldest_undelivered_age_s(client, keys), "prompt_backlog": backlog,
               "released": int(_num(cursor.get("released"), 0)), "groups": int(_num(bm.get("groups"), 0)),
               "groups_per_s": _num(bm.get("groups_per_s"), 0.0),
+              "auth_refused": int(_num(bm.get("auth_refused"), 0)),
+              "rejected": {k[7:]: int(_num(v, 0)) for k, v in sorted(bm.items()) if k.startswith("reject:")},
               "updated_age_s": now - _num(bm["updated_at"]) if "updated_at" in bm else None,
               "metrics_url": exporters.get("buffer")}
     batches = [json.loads(x) for x in client.lrange(keys.lag_history, 0, max(last_n, 1) - 1)]
@@ -100,6 +102,8 @@ def render(snap: dict):
     roles.add_row("buffer", f"depth {bf['depth']}", f"oldest {bf['oldest_age_s']:.1f}s",
                   f"{bf['groups_per_s']:.2f} groups/s", f"backlog {bf['prompt_backlog']}",
                   f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")
+    if bf["rejected"]:  # refused frames and handshakes, by reason
+        roles.add_row("refused", *[f"{k} {v}" for k, v in bf["rejected"].items()][:7])
     lag = Table(title=f"version lag, last {snap['lag']['batches']} batches (tokens)", expand=True)
     lag.add_column("lag")
     lag.add_column("tokens")

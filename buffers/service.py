@@ -39,6 +39,16 @@ COUNTERS = ("frames", "bytes", "groups", "dedupes", "reclaims", "full_pauses", "
 # Rejected frames: counted each, logged once per reason per this many seconds (a fuzzing or broken
 # peer sent 14,344 in one run, one WARNING line each).
 REJECT_LOG_S = 10.0
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# A refused handshake on the ingest socket, by what the monitor reports: reason -> what it means.
+REFUSALS = {
+    "auth_no_credentials": "the peer offers another security mechanism (no CURVE key / run token, or the other one)",
+    "auth_wrong_server_key": "the peer's CURVE handshake does not decrypt (wrong server key)",
+    "auth_unknown_credentials": "unknown CURVE client key or wrong run token",
+    # The peer hung up during the handshake: often one with no credentials that saw the mismatch first.
+    "auth_handshake": "the handshake broke off",
+}
 
 
 def load_prompts(cfg: Config) -> list[PromptRecord]:
@@ -100,7 +110,10 @@ class BufferService:
         from asyncrl.security import advertised_host, secure_server_socket
 
         # Run token (PLAIN) or CURVE with known client keys, before bind; refusals are logged and counted.
-        self.auth = secure_server_socket(cfg, self._ctx, self.sock, on_refuse=lambda _why: self.count("auth_refused"))
+        self.auth = secure_server_socket(cfg, self._ctx, self.sock, on_refuse=self._zap_refused)
+        # Refused handshakes, counted by the monitor (the ZAP handler sees only peers whose mechanism
+        # matched: one with no credentials or the wrong server key never reaches it).
+        self.auth_monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED) if self.auth is not None else None
         host = cfg.buffer.bind_host
         if cfg.buffer.ingest_port:
             self.sock.bind(f"tcp://{host}:{cfg.buffer.ingest_port}")
@@ -231,19 +244,53 @@ class BufferService:
         raise schema.FrameError("unreleased_id", f"group {group.group_id!r} was never released by this run")
 
     def reject(self, error: schema.FrameError, nbytes: int) -> None:
-        """Counts a refused frame under its reason; logs the first of each reason, then at most once
-        per REJECT_LOG_S with how many came since."""
+        """Counts a refused frame under its reason, logged as `_log_reject` says."""
         self.count(f"reject:{error.reason}")
+        self._log_reject(error.reason, f"rejected frame ({nbytes} bytes): {error}")
+
+    def _log_reject(self, reason: str, what: str) -> None:
+        """Logs the first of each reason, then at most once per REJECT_LOG_S with how many came since."""
         now = time.monotonic()
-        last = self._reject_logged.get(error.reason)
+        last = self._reject_logged.get(reason)
         if last is not None and now - last < REJECT_LOG_S:
-            self._reject_unlogged[error.reason] = self._reject_unlogged.get(error.reason, 0) + 1
+            self._reject_unlogged[reason] = self._reject_unlogged.get(reason, 0) + 1
             return
-        more = self._reject_unlogged.pop(error.reason, 0)
-        self._reject_logged[error.reason] = now
+        more = self._reject_unlogged.pop(reason, 0)
+        self._reject_logged[reason] = now
         since = f" (+{more} more since the last line)" if more else ""
-        log.warning("rejected frame (%d bytes): %s%s; total %s=%d", nbytes, error, since, error.reason,
-                    self.counters[f"reject:{error.reason}"])
+        log.warning("%s%s; total %s=%d", what, since, reason, self.counters[f"reject:{reason}"])
+
+    def _zap_refused(self, why: str) -> None:
+        """The ZAP handler's refusals are counted by the monitor (HANDSHAKE_FAILED_AUTH); the status
+        text is kept for the next log line of that reason."""
+        self._zap_why = why
+
+    def check_handshakes(self) -> int:
+        """Counts the ingest socket's refused handshakes (`auth_refused`, and by reason); returns how many."""
+        if self.auth_monitor is None:
+            return 0
+        from zmq.utils.monitor import parse_monitor_message
+
+        num = 0
+        while True:
+            try:
+                event = parse_monitor_message(self.auth_monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return num
+            num += 1
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason, detail = "auth_unknown_credentials", getattr(self, "_zap_why", "")
+            elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                reason, detail = "auth_no_credentials", ""
+            elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+                reason, detail = "auth_wrong_server_key", ""
+            else:
+                reason, detail = "auth_handshake", f"{event['event'].name}, {event['value']}"
+            self.count("auth_refused")
+            self.count(f"reject:{reason}")
+            detail = f" ({detail})" if detail else ""
+            self._log_reject(reason, f"refused a ZeroMQ connection on {event['endpoint'].decode()}: "
+                                     f"{REFUSALS[reason]}{detail}")
 
     def _poll(self, timeout_ms: int, frames: bool = True) -> bool:
         """Waits up to `timeout_ms` for a frame (when `frames`) or a wake-up; True if a frame is waiting.
@@ -394,6 +441,7 @@ class BufferService:
                 last_metrics = now
                 if self.client.exists(self.keys.stop):
                     break
+            self.check_handshakes()
             if room > 0:
                 self.ingest(max_frames=min(256, room))
             else:
@@ -409,6 +457,9 @@ class BufferService:
     def _close(self) -> None:
         if self.notify is not None:
             self.notify.close()
+        if self.auth_monitor is not None:
+            self.sock.disable_monitor()
+            self.auth_monitor.close(0)
         self.sock.close(0)
         if self.auth is not None:
             self.auth.stop()
