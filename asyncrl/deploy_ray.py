@@ -21,6 +21,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,15 @@ def _role_actor_class():
             kill_tree(self.proc.pid, 9)
 
     return RoleActor
+
+
+def learner_argv(cfg: Config, num_nodes: int, head: str, port: int, config_path: str, redis_url: str) -> list[str]:
+    """One learner node's torchrun, through asyncrl.listen: the rendezvous store listens on `head`
+    only (loopback on one node, the node's address as Ray knows it otherwise), not on every interface."""
+    return [sys.executable, "-m", "asyncrl.listen", "--nnodes", str(num_nodes),
+            "--nproc-per-node", str(cfg.learner.nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{head}:{port}", "--rdzv-id", f"asyncrl-{cfg.run.name}",
+            "-m", "learners.main", config_path, f"buffer.redis_url={redis_url}"]
 
 
 class RayDriver:
@@ -215,10 +228,7 @@ class RayDriver:
         port = port or free_port()
         actors = []
         for node in range(self.learner_nodes):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.learner_nodes),
-                    "--nproc-per-node", str(cfg.learner.nproc), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"{head}:{port}", "--rdzv-id", f"asyncrl-{cfg.run.name}",
-                    "-m", "learners.main", self.config_path, f"buffer.redis_url={self.redis_url}"]
+            argv = learner_argv(cfg, self.learner_nodes, head, port, self.config_path, self.redis_url)
             # Ray restarts actors; a learner rank restarted alone cannot rejoin torchrun's group.
             actors.append(self._actor(f"learner-{node}", argv, pg, node))
         return actors
