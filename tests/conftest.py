@@ -38,3 +38,15 @@ def make_cfg(tmp_path, tiny_model):
         return load_config(None, base + list(overrides))
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip, with the reason, where torch sees no CUDA device."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)"))

@@ -98,6 +98,7 @@ def test_submit_slurm_runs_tiny_config_to_completion(slurm, tmp_path, tiny_model
         assert any((run_dir / "logs").glob(f"{name}*.log")), f"no {name} log"
 
 
+@pytest.mark.timeout(1200)
 def test_slurm_scale_up_down_and_scancel(slurm, tmp_path, tiny_model):
     name = "slurm2"
     overrides = _overrides(tmp_path, tiny_model, name, "run.max_steps=400")

@@ -22,6 +22,7 @@ def _events(client, keys):
     return [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.events)]
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 def test_join_mid_run_and_kill_mid_run(tmp_path, tiny_model):
     redis = LocalRedis(tmp_path / "redis").start()
