@@ -116,11 +116,12 @@ def test_learner_sigterm_during_a_redis_outage_exits_at_once(tmp_path, tiny_mode
     with open(log_path, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
                                 env={**os.environ, "PYTHONPATH": str(REPO)})
-    client = connect(redis.url)
     try:
-        # Rank 0 has published its first membership state: it is waiting for groups from Redis.
-        assert wait_for(lambda: client.exists(Keys("tiny").wgroup) or proc.poll() is not None, 180, 0.2)
+        # The model is built: rank 0 waits for groups from Redis.
+        assert wait_for(lambda: "micro-batches of at most" in log_path.read_text() or proc.poll() is not None,
+                        180, 0.2)
         assert proc.poll() is None, log_path.read_text()[-3000:]
+        time.sleep(2)
         _outage(redis, how)
         time.sleep(1.5)
         elapsed = _sigterm_and_time(proc, DRAIN_S)
