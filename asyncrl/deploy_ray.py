@@ -114,6 +114,26 @@ def _role_actor_class():
     return RoleActor
 
 
+PLACE_TIMEOUT_S = float(os.environ.get("ASYNCRL_RAY_PLACE_TIMEOUT_S", "120"))
+
+
+class PlacementTimeout(RuntimeError):
+    """A placement group the cluster could not place in time (busy, or too small for one bundle)."""
+
+
+def _fmt(resources: dict) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in sorted(resources.items())) or "nothing"
+
+
+def shortfall(needs: dict[str, float], cluster: dict[str, float]) -> str | None:
+    """What `needs` asks beyond what the cluster has in total (one line), or None when it fits."""
+    short = {k: v for k, v in needs.items() if v > cluster.get(k, 0.0) + 1e-9}
+    if not short:
+        return None
+    has = {k: cluster.get(k, 0.0) for k in needs}
+    return f"the run needs {_fmt({k: v for k, v in needs.items() if v})}; the cluster has {_fmt(has)}"
+
+
 def learner_argv(cfg: Config, num_nodes: int, head: str, port: int, config_path: str, redis_url: str) -> list[str]:
     """One learner node's torchrun, through asyncrl.listen: the rendezvous store listens on `head`
     only (loopback on one node, the node's address as Ray knows it otherwise), not on every interface."""
@@ -141,11 +161,24 @@ class RayDriver:
         self._next = 0
         self.num_generators = num_generators
 
+    def needs(self) -> dict[str, float]:
+        """What the whole run asks of the cluster: the core, the learner nodes and the generators."""
+        gen_gpus = self.cfg.generator.tensor_parallel_size if self.gpus else 0
+        return {"CPU": self.cpus * (1 + self.learner_nodes + self.num_generators),
+                "GPU": float(self.gpus * self.learner_nodes + gen_gpus * self.num_generators)}
+
     def _place(self, bundles: list[dict], strategy: str = "PACK"):
-        from ray.util.placement_group import placement_group
+        """A placement group, ready within PLACE_TIMEOUT_S; else PlacementTimeout, saying what is free."""
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         pg = placement_group(bundles, strategy=strategy)
-        self.ray.get(pg.ready(), timeout=600)
+        try:
+            self.ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            free = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
+            raise PlacementTimeout(f"bundles {bundles} ({strategy}) could not be placed within {PLACE_TIMEOUT_S:.0f}s; "
+                                   f"the cluster has free {_fmt(free)}") from None
         return pg
 
     def _actor(self, name: str, argv: list[str], pg, bundle: int = 0, env: dict | None = None):
@@ -176,6 +209,13 @@ class RayDriver:
         from asyncrl.security import redis_url_file
 
         cfg = self.cfg
+        # Fail fast: a run the cluster cannot hold would wait for its last placement group forever.
+        problem = shortfall(self.needs(), self.ray.cluster_resources())
+        if problem:
+            print(f"asyncrl ray driver: {problem} (--cpus-per-role {self.cpus:g}: the core, "
+                  f"{self.learner_nodes} learner node(s), {self.num_generators} generator(s))", file=sys.stderr,
+                  flush=True)
+            return 2
         redis_url_file(cfg.run_dir).unlink(missing_ok=True)
         core_pg = self._place([self._bundle()])
         core = self._actor("core", [sys.executable, "-m", "asyncrl.deploy_core", "core", self.config_path,
@@ -292,4 +332,8 @@ def driver_main(argv: list[str] | None = None) -> int:
     from asyncrl.security import set_redis_password_file
 
     set_redis_password_file(driver.cfg.deploy.redis_password_file)
-    return driver.run()
+    try:
+        return driver.run()
+    except PlacementTimeout as e:  # the roles placed so far are the job's actors: they go with the driver
+        print(f"asyncrl ray driver: {e}", file=sys.stderr, flush=True)
+        return 2
