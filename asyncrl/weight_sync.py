@@ -160,7 +160,8 @@ CHECKSUMS = ("full", "sampled")
 def checksum_mode(setting: str, backend: str) -> str:
     """weights.checksum: auto is full on NCCL (a GPU reduction, nearly free) and sampled on gloo,
     where a full read of every bucket on both ends costs host CPU that the transfer itself needs
-    (measured: sampled pushes took 5-38% less time than full ones on 2 cores, docs/benchmarks.md)."""
+    (measured on 2 cores: sampled pushes took 5-38% less time than full ones,
+    benchmarks/results/weight_sync_cpu_sampled_2026-12-01.json)."""
     if setting == "auto":
         return "full" if backend == "nccl" else "sampled"
     if setting not in CHECKSUMS:
