@@ -15,6 +15,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux PR_SET_PDEATHSIG: this process gets SIGTERM when its parent exits (elsewhere a no-op)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
 class LocalRedis:
     """A real redis-server child process; `url` is where it listens. Bound to `host` (127.0.0.1 unless
     a multi-node deployment names the node's interface, with a password: see docs/deploy.md)."""
@@ -52,8 +62,17 @@ class LocalRedis:
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         from asyncrl.affinity import preexec
 
+        pin = preexec(self.cpus)
+
+        def before_exec() -> None:
+            # SIGTERM when the process that started it dies, however it dies: a SIGKILLed deploy core
+            # (`ray job stop`, scancel past its grace) left its redis-server running.
+            _die_with_parent()
+            if pin is not None:
+                pin()
+
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=preexec(self.cpus))
+                                     start_new_session=True, preexec_fn=before_exec)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
