@@ -12,11 +12,13 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIG = REPO_CONFIGS / "tiny.yaml"
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the checkout's user configs
+# Package data (pyproject's package-data), so an installed wheel finds it as a checkout does.
+DEFAULT_CONFIG = Path(str(resources.files("asyncrl") / "configs" / "tiny.yaml"))
 
 
 class ConfigError(ValueError):

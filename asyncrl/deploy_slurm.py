@@ -17,14 +17,15 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from asyncrl.config import Config, dump_yaml
 
 log = logging.getLogger(__name__)
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "deploy" / "slurm"
-REPO = TEMPLATES.parent.parent
+TEMPLATES = Path(str(resources.files("asyncrl") / "templates" / "slurm"))  # package data: *.sbatch
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
