@@ -19,7 +19,7 @@ def _setup_logging(level: str = "INFO") -> None:
 
 def _add_config_args(p: argparse.ArgumentParser, config_optional: bool = False) -> None:
     p.add_argument("config", nargs="?" if config_optional else None, default=None,
-                   help="YAML config (default: configs/tiny.yaml)" if config_optional else "YAML config")
+                   help="YAML config (default: asyncrl/configs/tiny.yaml)" if config_optional else "YAML config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6 run.max_steps=5")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 

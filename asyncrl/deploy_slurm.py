@@ -1,4 +1,4 @@
-"""`asyncrl submit slurm`: the run as Slurm jobs, rendered from deploy/slurm/*.sbatch.
+"""`asyncrl submit slurm`: the run as Slurm jobs, rendered from asyncrl/templates/slurm/*.sbatch.
 
 - job 1 (`core`): Redis + the buffer on one node; publishes the Redis address in `{run_dir}/redis_url`;
 - the learner: `srun torchrun` across `--learner-nodes` nodes;
