@@ -333,8 +333,9 @@ class WeightsConfig:
     join_timeout_s: Annotated[float, Positive] = 30.0  # members that do not join a new group epoch by then are dropped
     sync_timeout_s: Annotated[float, Positive] = 60.0  # a broadcast that does not finish by then fails the epoch
     port: Annotated[int, Port] = 0  # 0: a free port for the weight group's TCPStore
-    # auto: nccl when the learner is on CUDA, else gloo. gloo on CUDA: one GPU shared by the learner and
-    # vLLM cannot hold two NCCL ranks, so the buckets go through host memory instead.
+    # auto: nccl when the learner is on CUDA, else gloo; `asyncrl run` (one host, every role on GPU 0)
+    # makes it gloo: one GPU shared by the learner and vLLM cannot hold two NCCL ranks, so the buckets
+    # go through host memory instead.
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     # Per-bucket checksums both ends compare after every sync. full: every byte; sampled: one word per
     # 4 KiB of each one-tensor bucket of 1 MiB or more, the rest in full (catches lost, stale, shifted

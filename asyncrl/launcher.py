@@ -44,6 +44,19 @@ def ensure_model(cfg: Config) -> str:
     return str(path)
 
 
+def local_weights_backend(cfg: Config) -> str:
+    """`weights.backend=auto` for the roles this launcher starts on one host: gloo.
+
+    Every local role sees the same GPUs and opens device 0, so the learner's rank 0 and a vLLM worker
+    share one GPU, where NCCL cannot hold both ranks ("Duplicate GPU detected"); the buckets then go
+    through host memory. An explicit `nccl` or `gloo` is kept."""
+    if cfg.weights.backend != "auto":
+        return cfg.weights.backend
+    log.info("weights.backend=auto -> gloo for a one-host run (on CUDA its roles share GPU 0, where NCCL cannot "
+             "hold two ranks)")
+    return "gloo"
+
+
 def learner_command(cfg: Config, config_path: str | None, overrides: list[str]) -> list[str]:
     """torchrun on one node, through asyncrl.listen: its rendezvous store listens on 127.0.0.1 only
     (torchrun's own binds every interface whatever --master-addr says)."""
@@ -117,6 +130,7 @@ class Launcher:
                 cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
         client.delete(keys.stop)
         ensure_model(cfg)
+        cfg.weights.backend = local_weights_backend(cfg)
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(cfg))
         py = [sys.executable, "-m", "asyncrl"]
