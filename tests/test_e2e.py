@@ -39,8 +39,6 @@ def test_default_run_learns_within_the_staleness_bound(tmp_path):
     assert max(row["lag_max"] for row in rows) <= 1
     assert all(int(k) <= 1 for row in rows for k in row["lag_hist"])
     assert rows[-1]["version"] == steps
-    # Admission counts from the weights the fleet holds: what is generated is trained, not dropped.
-    assert rows[-1]["dropped_frac"] <= 0.02, rows[-1]["dropped_stale"]
 
 
 @pytest.mark.slow
