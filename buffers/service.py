@@ -90,23 +90,6 @@ def admission_budget(version: int, max_staleness: int, groups_per_step: int, dro
     return (version + max_staleness + 1) * groups_per_step + dropped_groups
 
 
-def fleet_behind(client: redis.Redis, keys: Keys, version: int) -> bool:
-    """Whether a live generator still holds weights older than the learner's `version`.
-
-    Its next groups start at that older version: released against `version`, the last of them would
-    be trained one version past the staleness bound and dropped (the lag the weight sync adds). Only
-    the version just before counts: a generator further behind is excluded from the group or stuck,
-    and waiting on it would starve the pipe."""
-    names = list(client.scan_iter(keys.gen_pattern, count=1000))
-    if not names:
-        return False
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hget(name, "version")
-    held = [int(v) for v in pipe.execute() if v is not None and v.lstrip(b"-").isdigit()]
-    return any(v == version - 1 for v in held)
-
-
 class BufferService:
     def __init__(self, cfg: Config, client: redis.Redis | None = None):
         self.cfg = cfg
@@ -354,12 +337,7 @@ class BufferService:
         dropped = int(self.client.hget(self.keys.learner, "dropped_groups") or 0)
         cursor = {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.cursor).items()}
         # run.mode=sync: staleness 0, exactly learner.batch_groups prompts per version (asyncrl/modes.py).
-        staleness = admission_staleness(self.cfg)
-        # Async: count from the weights the fleet holds, which trail the learner's while a sync is out.
-        # (Sync-mode generators start nothing before they hold the learner's version.)
-        held = version - 1 if staleness > 0 and version > 0 and fleet_behind(self.client, self.keys, version) \
-            else version
-        budget = admission_budget(held, staleness, self.cfg.learner.batch_groups, dropped)
+        budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
         backlog = group_lag(self.client, self.keys.prompts, PROMPT_GROUP)
         num = min(budget - cursor["released"], self.cfg.buffer.prompt_backlog - backlog)
         self._backlog_bound = self.cfg.buffer.prompt_backlog - backlog < budget - cursor["released"]
