@@ -633,7 +633,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Loads YAML (default: configs/tiny.yaml), applies overrides, type-checks and validates."""
+    """Loads YAML (default: the packaged asyncrl/configs/tiny.yaml), applies overrides, type-checks and validates."""
     import yaml
 
     path = Path(path) if path else DEFAULT_CONFIG
