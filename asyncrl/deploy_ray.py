@@ -302,7 +302,12 @@ class RayDriver:
     def _scale(self, delta: int, client, keys, log_event) -> None:
         if delta > 0:
             for _ in range(delta):
-                gid = self.start_generator()
+                try:
+                    gid = self.start_generator()
+                except PlacementTimeout as e:  # the run goes on with the fleet it has
+                    log_event(client, keys, "scale_refused", backend="ray", reason=str(e)[:200])
+                    print(f"asyncrl ray driver: scale: not added: {e}", flush=True)
+                    return
                 log_event(client, keys, "scale_up", id=gid, backend="ray")
                 print(f"asyncrl ray driver: scale: added {gid}", flush=True)
             return

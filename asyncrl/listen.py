@@ -16,9 +16,22 @@ import socket
 import sys
 
 
+def _is_loopback(ip: str) -> bool:
+    return ip.startswith("127.") or ip == "::1"
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to `host:port` (0: a free port) and listening."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    """A TCP socket bound to `host:port` (0: a free port) and listening.
+
+    IPv4 first (the peers connect over IPv4 unless the host has only IPv6). A host name that is not
+    itself loopback but resolves to a loopback address (Debian's `127.0.1.1 <hostname>` line) is
+    refused: other nodes could never reach the socket."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    family, kind, proto, _, addr = infos[0]
+    if _is_loopback(addr[0]) and not _is_loopback(host) and host != "localhost":
+        raise ValueError(f"{host!r} resolves to the loopback address {addr[0]} on this node, so other nodes "
+                         "cannot reach a socket bound to it: give the node's routable address instead")
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(addr)

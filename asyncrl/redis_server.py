@@ -66,7 +66,7 @@ class LocalRedis:
 
         def before_exec() -> None:
             # SIGTERM when the process that started it dies, however it dies: a SIGKILLed deploy core
-            # (`ray job stop`, scancel past its grace) left its redis-server running.
+            # (`ray job stop`, scancel past its grace) leaves no redis-server running.
             _die_with_parent()
             if pin is not None:
                 pin()

@@ -12,7 +12,7 @@ have delivered (learners/reader.py).
 
 A role told to leave (SIGTERM: asyncrl/leaving.py) calls `leave_by(deadline)`: from then on a lost
 Redis is retried only until that deadline, then the call raises, so the role's own drain timeout
-bounds its exit instead of `redis_retry_s` (a buffer signalled during an outage retried for 600 s).
+bounds its exit, not `redis_retry_s` (600 s by default).
 """
 
 from __future__ import annotations

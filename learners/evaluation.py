@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class Evaluator:
-    def __init__(self, cfg, client: redis.Redis):
+    def __init__(self, cfg, client: redis.Redis, start_version: int = 0):
         self.cfg = cfg
         self.enabled = cfg.eval.every > 0
         if not self.enabled:
@@ -50,7 +50,7 @@ class Evaluator:
                 raise
         log.info("evaluation every %d steps on %d held-out prompts (k=%d)", cfg.eval.every, len(self.rows),
                  cfg.eval.k)
-        if cfg.eval.before_train and not cfg.run.resume:
+        if cfg.eval.before_train and start_version == 0:  # not for a learner resumed from a checkpoint
             self.publish(0)  # the starting model's figure, the first point of every curve
 
     def publish(self, version: int) -> None:

@@ -270,7 +270,7 @@ class Learner:
         self.obs = LearnerObservability(cfg, self.client, self.keys)  # jsonl/wandb/TensorBoard, /metrics
         from learners.evaluation import Evaluator
 
-        self.evaluator = Evaluator(cfg, self.client)  # eval rounds every eval.every steps (asyncrl/evaluation.py)
+        self.evaluator = Evaluator(cfg, self.client, start_version=self.version)  # eval rounds every eval.every steps (asyncrl/evaluation.py)
         log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world,
                   resumed_from=self.resumed_from or "")
         self.unacked: list = []

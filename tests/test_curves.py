@@ -81,3 +81,30 @@ def test_curve_report_times_each_accuracy_from_the_launch(tmp_path):
 def test_one_host_run_sends_weights_over_gloo_unless_told(setting, expected):
     # On one host every role opens GPU 0: NCCL refuses two ranks on one device.
     assert local_weights_backend(load_config(None, [f"weights.backend={setting}"])) == expected
+
+
+@pytest.mark.parametrize("start_version, rounds", [(0, [0]), (7, [])])
+def test_the_starting_weights_are_evaluated_only_when_training_starts_from_them(redis_server, start_version,
+                                                                               rounds):
+    import redis as redis_py
+
+    from learners.evaluation import Evaluator
+
+    cfg = load_config(None, [f"run.name=ev{start_version}", "eval.every=5", "eval.num_prompts=3"])
+    client = redis_py.Redis.from_url(redis_server.url)
+    ev = Evaluator(cfg, client, start_version=start_version)  # a resumed learner starts at its checkpoint's
+    assert sorted(r.version for r in ev.rounds.values()) == rounds
+
+
+def test_a_node_name_that_resolves_to_loopback_is_refused_for_a_multi_node_listener(monkeypatch):
+    import socket
+
+    from asyncrl import listen
+
+    def resolve(host, port, type=0):  # Debian's /etc/hosts: 127.0.1.1 <hostname>
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    with pytest.raises(ValueError, match="resolves to the loopback address 127.0.1.1"):
+        listen.listening_socket("node-a", 0)
+    listen.listening_socket("127.0.0.1", 0).close()  # loopback asked for: bound

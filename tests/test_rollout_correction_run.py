@@ -22,7 +22,7 @@ RUNS = {
 def test_demo_run_logs_correction_statistics(tmp_path, name):
     steps = 3
     r = subprocess.run([sys.executable, "-m", "asyncrl", "run", f"run.max_steps={steps}", *RUNS[name]],
-                       capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
