@@ -3,9 +3,14 @@
 A problem is `a OP b` with OP drawn from `data.arith_ops` (`+`, `-`, `*`) and each operand a number
 of `data.arith_min_digits`..`data.arith_max_digits` digits (one digit: 0-9; n digits: 10^(n-1) to
 10^n - 1; with `data.arith_nonnegative` a subtraction never goes below zero), asked through `data.arith_prompt` (by default "What is 47 + 38? Answer with the number
-only."; with `data.chat_template=true` it goes through the model's chat template). Training prompts
-are drawn from `run.seed`; the held-out evaluation set from another seed, without the training
-problems where the problem space leaves enough others.
+only."; with `data.chat_template=true` it goes through the model's chat template).
+
+Held out: one problem in `HELD_OUT_EVERY`, picked by a fixed hash of the problem, belongs to the
+evaluation side. Training prompts are drawn from `run.seed` among the others, the held-out set from
+another seed among those, by the same draw: both sets follow one distribution (the mix of operand
+digit counts and operations), and no held-out problem is trained on. (Excluding whatever the training
+draw happened to hit instead would empty the small one-digit corner of the space first and leave a
+held-out set harder than the training mix.)
 
 The reward (`reward.name=arith`) is 1.0 when the answer is exactly the integer, else 0.0. The answer
 is the last integer inside the last `\\boxed{...}` when there is one, else the last number of the
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import zlib
 
 from asyncrl.math_reward import extract_boxed
 from asyncrl.tasks import PromptRecord
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 DEFAULT_PROMPT = "What is {a} {op} {b}? Answer with the number only."
 EVAL_SEED_OFFSET = 104_729  # the held-out set's seed is run.seed + this (the copy task uses the same)
+HELD_OUT_EVERY = 10  # one problem in ten belongs to the held-out side
 
 # A number not preceded by a digit, a letter or a point, so "10-3" yields 3, not -3, and "x2" nothing.
 _NUMBER = re.compile(r"(?<![\w.])(-?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?")
@@ -52,26 +59,33 @@ def check_settings(ops: str, min_digits: int, max_digits: int, prompt: str) -> l
     return errors
 
 
+def is_held_out(problem: tuple[int, str, int]) -> bool:
+    """Whether a problem belongs to the held-out side: a fixed hash, the same on every machine."""
+    a, op, b = problem
+    return zlib.crc32(f"{a}{op}{b}".encode()) % HELD_OUT_EVERY == 0
+
+
 def arith_problems(num_rows: int, seed: int, ops: str = "+-", min_digits: int = 2, max_digits: int = 2,
-                   nonnegative: bool = False,
-                   exclude: set[tuple[int, str, int]] | None = None) -> list[tuple[int, str, int]]:
+                   nonnegative: bool = False, side: str | None = None) -> list[tuple[int, str, int]]:
     """`num_rows` problems (a, op, b) drawn from `seed`; `nonnegative` swaps the operands of a
-    subtraction whose result would be negative. Those in `exclude` are skipped while the problem
-    space has others (a bounded number of redraws, then they are allowed, with a warning)."""
+    subtraction whose result would be negative. `side` ("train" or "eval") keeps only the problems of
+    that side of the hold-out (a draw of the other side is drawn again, a bounded number of times;
+    past it, as in a problem space too small to have both sides, it is allowed, with a warning)."""
+    if side not in (None, "train", "eval"):
+        raise ValueError(f"side={side!r} must be 'train', 'eval' or None")
     rng = random.Random(seed)
-    exclude = exclude or set()
-    problems, redraws = [], 0
+    problems, redraws, limit = [], 0, 50 * num_rows
     while len(problems) < num_rows:
         op = rng.choice(ops)
         a = rng.randint(*operand_range(rng.randint(min_digits, max_digits)))
         b = rng.randint(*operand_range(rng.randint(min_digits, max_digits)))
         if nonnegative and op == "-" and a < b:
             a, b = b, a
-        if (a, op, b) in exclude and redraws < 20 * num_rows:
+        if side is not None and is_held_out((a, op, b)) != (side == "eval") and redraws < limit:
             redraws += 1
             continue
         problems.append((a, op, b))
-    if redraws >= 20 * num_rows:
+    if redraws >= limit:
         log.warning("the arithmetic problem space (ops=%s, digits %d-%d) is too small to keep the held-out set "
                     "apart from the training set: some held-out problems are also trained on", ops,
                     min_digits, max_digits)
@@ -91,16 +105,16 @@ def _settings(data_cfg) -> dict:
 
 
 def train_set(cfg) -> list[PromptRecord]:
-    """The training prompts: `data.num_prompts` problems from `run.seed`."""
-    problems = arith_problems(cfg.data.num_prompts, cfg.run.seed, **_settings(cfg.data))
+    """The training prompts: `data.num_prompts` problems from `run.seed`, none of the held-out side."""
+    problems = arith_problems(cfg.data.num_prompts, cfg.run.seed, side="train", **_settings(cfg.data))
     return arith_records(problems, cfg.run.seed, cfg.data.arith_prompt)
 
 
 def eval_set(cfg) -> list[PromptRecord]:
-    """The held-out prompts: `eval.num_prompts` problems from another seed, none of the training ones."""
+    """The held-out prompts: `eval.num_prompts` problems of the held-out side, from another seed, drawn
+    as the training ones are (one distribution)."""
     seed = cfg.run.seed + EVAL_SEED_OFFSET
-    train = set(arith_problems(cfg.data.num_prompts, cfg.run.seed, **_settings(cfg.data)))
-    problems = arith_problems(cfg.eval.num_prompts, seed, exclude=train, **_settings(cfg.data))
+    problems = arith_problems(cfg.eval.num_prompts, seed, side="eval", **_settings(cfg.data))
     return arith_records(problems, seed, cfg.data.arith_prompt)
 
 

@@ -1,8 +1,24 @@
 """Small builders shared by tests (not fixtures)."""
 
+import contextlib
 import time
 
 from asyncrl import schema
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, port: int, world_size: int = 2):
+    """A gloo process group for a spawned test rank. On a clean exit every rank waits at a barrier
+    before the group is destroyed: a rank that leaves while another is still sending its results
+    closes the sockets under the other's gloo I/O thread, which aborts that process (SIGABRT)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def make_group(group_id="p0@e0", num_samples=4, num_tokens=3, version=0, reward=0.5, generator_id="gt"):

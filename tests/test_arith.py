@@ -48,10 +48,27 @@ def test_held_out_set_has_another_seed_and_none_of_the_training_problems():
     assert not {r.prompt for r in train} & {r.prompt for r in held_out}
     assert [r.prompt for r in load_eval_set(cfg)] == [r.prompt for r in held_out]  # what eval rounds use
     assert held_out[0].prompt_id.startswith(f"arith-{cfg.run.seed + 104_729}-")
-    # One-digit addition has 100 problems: 1024 training prompts cover them all, so the held-out
-    # set cannot stay apart; it is still complete (with a warning), never short or stuck.
+    # One-digit addition has 100 problems, about ten of them on the held-out side: the held-out set
+    # is complete, never short or stuck, and still apart from 1024 training prompts.
     small = _cfg("data.arith_ops=+", "data.arith_min_digits=1", "data.arith_max_digits=1", "eval.num_prompts=50")
     assert len(eval_set(small)) == 50
+    assert not {r.prompt for r in train_set(small)} & {r.prompt for r in eval_set(small)}
+
+
+def test_held_out_set_follows_the_training_mix():
+    """Operands of one or two digits: a quarter of the problems have two one-digit operands, in the
+    training prompts and in the held-out set alike (a held-out set made of what training missed
+    would have almost none of them: that small corner of the problem space is trained on first)."""
+    cfg = _cfg("data.num_prompts=20000", "eval.num_prompts=1000", "data.arith_min_digits=1",
+               "data.arith_max_digits=2")
+
+    def small_share(rows):
+        operands = [r.prompt[len("What is "):].split("?")[0].split() for r in rows]
+        return sum(len(a) == 1 and len(b) == 1 for a, _, b in operands) / len(rows)
+
+    train, held_out = train_set(cfg), eval_set(cfg)
+    assert 0.22 < small_share(train) < 0.28 and 0.2 < small_share(held_out) < 0.3
+    assert not {r.prompt for r in train} & {r.prompt for r in held_out}
 
 
 @pytest.mark.parametrize("completion,value", [

@@ -55,8 +55,8 @@ def _learner_side(make_cfg, redis_server, tmp_path, name, *overrides):
 @pytest.mark.slow
 def test_generator_refusal_late_join_and_sigterm_drain(make_cfg, redis_server, tmp_path, tiny_model):
     cfg_path, keys, client, buffer, procs = _learner_side(
-        make_cfg, redis_server, tmp_path, "gp", "generator.max_tokens=32", "generator.max_concurrent_groups=4",
-        "generator.drain_timeout_s=0")
+        make_cfg, redis_server, tmp_path, "gp", "generator.max_tokens=64", "generator.max_concurrent_groups=4",
+        "generator.drain_timeout_s=0", "learner.batch_groups=64")  # groups still in flight at the SIGTERM
     client.set(keys.wsync, schema.encode(schema.WeightAnnouncement(
         schema_version=schema.SCHEMA_VERSION, version=1, epoch=0, buckets=[], announced_at=time.time())))
     argv = [sys.executable, "-m", "asyncrl", "generator", str(cfg_path)]

@@ -14,6 +14,7 @@ from asyncrl.losses import decoupled_ppo
 from asyncrl.tiny_model import tiny_config
 from learners.logprobs import linear_logprobs, sequence_logprobs
 from learners.step import policy_update
+from tests.helpers import gloo_group
 
 
 def naive_linear_logprobs(h, w, b, targets, temperature):
@@ -189,8 +190,7 @@ def _clip_worker(rank: int, port: int, q) -> None:
 
     from learners.step import clip_grad_norm
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         plain = tiny_lm(tied=True)
         sharded = copy.deepcopy(plain)
         for layer in sharded.model.layers:
@@ -205,8 +205,6 @@ def _clip_worker(rank: int, port: int, q) -> None:
         if rank == 0:
             ref = dict(plain.named_parameters())
             q.put((float(want), float(got), max(float((g - ref[n].grad).abs().max()) for n, g in full.items())))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_clip_grad_norm_on_fsdp2_shards_matches_torch():

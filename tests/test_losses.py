@@ -7,6 +7,7 @@ import torch
 
 from asyncrl import advantages as A
 from asyncrl import losses as L
+from tests.helpers import gloo_group
 
 
 def test_rloo_by_hand():
@@ -44,15 +45,12 @@ def test_reinforce_pp_baseline():
 def _whiten_worker(rank: int, port: int, q) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         x, mask = _whiten_batch()
         rows = slice(0, 2) if rank == 0 else slice(2, 5)  # unequal shares, different token counts
         got = A.whiten(x[rows], mask[rows], eps=0.0, all_reduce=dist.all_reduce)
         rpp = A.reinforce_pp(x[rows, -1], mask[rows], eps=0.0, all_reduce=dist.all_reduce)
         q.put((rank, got.tolist(), rpp.tolist()))  # plain lists: a tensor's shared fd dies with the worker
-    finally:
-        dist.destroy_process_group()
 
 
 def _whiten_batch():

@@ -16,6 +16,7 @@ from learners import packing
 from learners.batch import build_step, micro_batch
 from learners.logprobs import micro_logprobs
 from learners.step import batch_targets, policy_update
+from tests.helpers import gloo_group
 
 VOCAB = 41
 
@@ -196,8 +197,7 @@ def test_k_minibatches_take_k_optimizer_steps_each_group_once_per_epoch(monkeypa
 def _ws_worker(rank: int, port: int, aggregation: str, q) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         cfg = load_config(None, [f"algorithm.aggregation={aggregation}"])
         model = tiny_lm(dtype=torch.float64)
         for layer in model.model.layers:
@@ -209,8 +209,6 @@ def _ws_worker(rank: int, port: int, aggregation: str, q) -> None:
         dist.all_reduce(loss)  # each rank holds its part of the loss
         if rank == 0:
             q.put((float(loss), stats["grad_norm"], {n: g.numpy() for n, g in full.items()}, plan.micro_batches(0)))
-    finally:
-        dist.destroy_process_group()
 
 
 def _free_port():
