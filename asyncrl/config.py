@@ -536,9 +536,35 @@ def _range_errors(node: Any, path: str) -> typing.Iterator[str]:
                     yield f"{sub} must be {bound.describe()}, got {value!r}"
 
 
+class OverrideText(str):
+    """A `key=value` override's text as typed, with its YAML reading (`parsed`). The field's type
+    decides which one counts: a string field keeps the text (`data.alphabet=0123` stays "0123", not
+    the octal 83), a number or boolean field takes the reading."""
+
+    parsed: Any
+
+    def __new__(cls, text: str) -> OverrideText:
+        obj = super().__new__(cls, text)
+        obj.parsed = parse_override_value(text)
+        return obj
+
+    def as_text(self) -> str:
+        quoted = len(self) >= 2 and self[0] == self[-1] and self[0] in "'\""
+        return self.parsed if quoted and isinstance(self.parsed, str) else str(self)
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
-    """Checks (and for strings from the command line, converts) `value` against the annotation `tp`."""
+    """Checks (and for override text from the command line, converts) `value` against the annotation `tp`."""
     origin = typing.get_origin(tp)
+    if isinstance(value, OverrideText):
+        if tp is str:
+            return value.as_text()
+        if origin is list:
+            return _coerce(value.as_text(), tp, path)
+        if origin in (typing.Union, types.UnionType) and value.parsed is not None:
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            return _coerce(value, args[0], path)
+        value = value.parsed
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -628,7 +654,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {dotted}: {part} is not a section")
-        node[parts[-1]] = parse_override_value(text)
+        node[parts[-1]] = OverrideText(text)  # read by the field's type in _coerce
     return data
 
 

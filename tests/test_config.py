@@ -31,6 +31,20 @@ def test_overrides_are_typed():
     assert cfg.learner.lr == 1e-6 and cfg.run.max_steps == 3 and cfg.generator.enforce_eager is False
 
 
+def test_override_text_is_read_by_the_field_type():
+    """A string field keeps the text as typed (YAML would read 0123 as the octal 83 and 1e3 as 1000.0);
+    a number field still reads numbers and refuses text, naming the key; quotes, null and lists work."""
+    cfg = load_config(None, ["data.alphabet=0123", "run.name=1e3", "model.path=true", "learner.lr=2e-5",
+                             "run.max_steps=0x10", 'data.arith_prompt="{a} {op} {b} ="', "logging.backends=jsonl,tensorboard"])
+    assert cfg.data.alphabet == "0123" and cfg.run.name == "1e3" and cfg.model.path == "true"
+    assert cfg.data.arith_prompt == "{a} {op} {b} =" and cfg.learner.lr == 2e-5 and cfg.run.max_steps == 16 and cfg.logging.backends == ["jsonl", "tensorboard"]
+    assert load_config(None, ["run.name='quoted'"]).run.name == "quoted"
+    with pytest.raises(ConfigError, match="learner.lr: expected a number, got 'abc'"):
+        load_config(None, ["learner.lr=abc"])
+    with pytest.raises(ConfigError, match="run.max_steps: expected an integer, got 1.5"):
+        load_config(None, ["run.max_steps=1.5"])
+
+
 @pytest.mark.parametrize("path", sorted(REPO_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path):
     load_config(path)
