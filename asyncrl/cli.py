@@ -142,6 +142,24 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    import json
+
+    from asyncrl.config import config_schema
+
+    if args.action == "schema":
+        text = json.dumps(config_schema(), indent=2) + "\n"
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    cfg = _load(args)  # check: a config error is one line and exit 2
+    print(f"asyncrl: config ok (run {cfg.run.name}, mode {cfg.run.mode}, {cfg.run_dir})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous actor-learner RL post-training "
                                      "for LLMs: vLLM generators -> ZeroMQ -> Redis buffer -> FSDP2 learner.")
@@ -163,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("learner", help="run the learner group (spawns torchrun with learner.nproc ranks)")
     _add_config_args(p)
     p.set_defaults(fn=cmd_learner)
+
+    p = sub.add_parser("config", help="the config tree: `schema` (a JSON Schema of every field), `check CONFIG`")
+    cfg_sub = p.add_subparsers(dest="action", required=True)
+    s = cfg_sub.add_parser("schema", help="print (or --out FILE) the JSON Schema: types, choices, ranges, defaults")
+    s.add_argument("--out", default="")
+    s.set_defaults(fn=cmd_config)
+    s = cfg_sub.add_parser("check", help="load and validate a config with overrides; one line and exit 2 if wrong")
+    _add_config_args(s, config_optional=True)
+    s.set_defaults(fn=cmd_config)
 
     p = sub.add_parser("data", help="prepare a dataset (GSM8K -> train/test parquet)")
     p.add_argument("dataset", choices=["gsm8k"])

@@ -677,6 +677,66 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return _build(Config, data, "").validate()
 
 
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in this file (trailing, or the comment lines just above it): its description."""
+    import inspect
+    import re
+
+    comments, above = {}, []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# "))
+            continue
+        m = re.match(r"(\w+):[^#]*?(?:#\s*(.*))?$", text)
+        if m and not text.startswith(("def ", "@", '"')):
+            comments[m.group(1)] = " ".join([*above, m.group(2) or ""]).strip()
+        above = []
+    return comments
+
+
+def _type_schema(tp: Any) -> dict[str, Any]:
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        schema = _type_schema(typing.get_args(tp)[0])
+        for bound in tp.__metadata__:
+            if isinstance(bound, Range):
+                for key, name in (("ge", "minimum"), ("gt", "exclusiveMinimum"), ("le", "maximum"),
+                                  ("lt", "exclusiveMaximum")):
+                    if getattr(bound, key) is not None:
+                        schema[name] = getattr(bound, key)
+        return schema
+    if origin is Literal:
+        return {"enum": list(typing.get_args(tp))}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_type_schema(a) if a is not type(None) else {"type": "null"} for a in typing.get_args(tp)]}
+    if origin is list:
+        return {"type": "array", "items": _type_schema(typing.get_args(tp)[0])}
+    if dataclasses.is_dataclass(tp):
+        return _section_schema(tp)
+    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
+
+
+def _section_schema(cls: type) -> dict[str, Any]:
+    hints, comments, default = typing.get_type_hints(cls, include_extras=True), _field_comments(cls), cls()
+    props = {}
+    for f in dataclasses.fields(cls):
+        prop = _type_schema(hints[f.name])
+        value = getattr(default, f.name)
+        if not dataclasses.is_dataclass(value):
+            prop["default"] = value
+        if comments.get(f.name):
+            prop["description"] = comments[f.name]
+        props[f.name] = prop
+    return {"type": "object", "title": cls.__name__, "properties": props, "additionalProperties": False}
+
+
+def config_schema() -> dict[str, Any]:
+    """A JSON Schema (draft 2020-12) of the config tree: types, choices, declared ranges, defaults and
+    each field's description (`asyncrl config schema`). Cross-field checks are in Config.validate."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **_section_schema(Config)}
+
+
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 

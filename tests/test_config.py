@@ -84,3 +84,41 @@ def test_cli_rejects_misspelled_key_at_start_and_help_is_fast():
     r = subprocess.run([sys.executable, "-m", "asyncrl", "run", "--print-config", "run.max_steps=7"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "max_steps: 7" in r.stdout
+
+
+def test_config_schema_describes_every_field_and_validates_the_shipped_configs(tmp_path):
+    """`asyncrl config schema`: a JSON Schema whose types, choices and declared ranges accept every
+    shipped config and refuse what load_config refuses (a range, a choice, a type, an unknown key)."""
+    import json
+
+    import jsonschema
+    import yaml
+
+    from asyncrl.config import config_schema, to_dict
+
+    out = tmp_path / "schema.json"
+    done = subprocess.run([sys.executable, "-m", "asyncrl", "config", "schema", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    schema = json.loads(out.read_text())
+    assert schema == json.loads(json.dumps(config_schema()))
+    lr = schema["properties"]["learner"]["properties"]["lr"]
+    assert lr["type"] == "number" and lr["exclusiveMinimum"] == 0
+    assert schema["properties"]["run"]["properties"]["mode"]["enum"] == ["async", "sync"]
+    assert "stall" in schema["properties"]["run"]["properties"]["stall_timeout_s"]["description"]
+    validator = jsonschema.Draft202012Validator(schema)
+    for path in sorted(REPO_CONFIGS.glob("*.yaml")):
+        validator.validate(yaml.safe_load(path.read_text()) or {})
+        validator.validate(json.loads(json.dumps(to_dict(load_config(path)))))
+    for bad in ({"learner": {"lr": -1.0}}, {"run": {"mode": "sometimes"}}, {"generator": {"n": "four"}},
+                {"learner": {"lrr": 1e-6}}):
+        assert not validator.is_valid(bad), bad
+
+
+def test_config_check_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "asyncrl", "config", "check", "learner.lr=-2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == "asyncrl: config error: learner.lr must be > 0, got -2.0"
+    done = subprocess.run([sys.executable, "-m", "asyncrl", "config", "check", "run.max_steps=3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "config ok" in done.stdout, done.stderr
