@@ -1,16 +1,61 @@
-"""Picks the generation backend (`generator.backend`): both have the same interface.
+"""The generation engine interface (`Engine`, a typing.Protocol) and the backend choice
+(`generator.backend`): `vllm` (generators/vllm_engine.py) or `hf` (generators/hf_engine.py).
 
-`num_workers`, `generate_group(prompt_ids, n, version, temperature=None) -> list[SampleOut]`,
-`join(epoch_frame, generator_id, timeout_s) -> bool`, `update_weights(announcement_frame, mode,
-timeout_s) -> {"pause_s", "wait_s", "receive_s", "checksums"}`, `shutdown()`.
+The generator process (generators/main.py) uses nothing of an engine beyond this interface.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypedDict, runtime_checkable
+
 from asyncrl.config import Config
 
 
-def build_engine(cfg: Config):
+@dataclass
+class SampleOut:
+    """One completion: its tokens, the behaviour log-prob of each, the policy version each was
+    sampled under, and why it ended ("stop", "length"; "abort" only inside an engine)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+class WeightUpdateStats(TypedDict, total=False):
+    pause_s: float  # generation paused for the update (the whole call for the HF backend)
+    wait_s: float  # of which waiting for in-flight work to reach a safe point (drain: to finish)
+    receive_s: float  # receiving and loading the tensors
+    load_s: float
+    stage_s: float  # vLLM staged receive: the transfer before the pause
+    checksums: list[int]  # one per bucket, compared by the learner with what it sent
+
+
+@runtime_checkable
+class Engine(Protocol):
+    num_workers: int  # worker processes (tensor-parallel ranks) that take part in the weight group
+
+    async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
+                             temperature: float | None = None) -> list[SampleOut]:
+        """`n` completions of one prompt; each token stamped with `version()` at the time it was sampled."""
+        ...
+
+    async def join(self, epoch_frame: bytes, generator_id: str, timeout_s: float) -> bool:
+        """Joins the learner's weight group of this epoch (a schema.GroupEpoch frame)."""
+        ...
+
+    async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> WeightUpdateStats:
+        """Receives the announced version (a schema.WeightAnnouncement frame) and loads it; `mode`
+        (weights.mode) says what in-flight sequences do: keep, abort or drain."""
+        ...
+
+    def shutdown(self) -> None:
+        ...
+
+
+def build_engine(cfg: Config) -> Engine:
     if cfg.generator.backend == "hf":
         from generators.hf_engine import HfEngine
 

@@ -1,5 +1,5 @@
 """The Hugging Face backend (`generator.backend=hf`): plain transformers sampling, for debugging and
-machines without vLLM. Same interface as VllmEngine (generators/engines.py).
+machines without vLLM. The same interface as VllmEngine (generators/engines.py `Engine`).
 
 Each group is decoded as a batch of `n` rows of the same prompt (so no padding), one forward per
 token with the KV cache. Steps of all in-flight groups and weight loads run on one worker thread,
@@ -23,7 +23,7 @@ import torch
 from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.weight_sync import WeightReceiver
-from generators.vllm_engine import SampleOut
+from generators.engines import SampleOut, WeightUpdateStats
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class HfEngine:
         self.loaded_version = ann.version
         return {"checksums": self.receiver.checksums, "seconds": time.perf_counter() - t0}
 
-    async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> dict:
+    async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> WeightUpdateStats:
         """keep/abort: loaded between two decoding steps; drain: after the in-flight groups finish."""
         ann = schema.decode(announcement_frame, schema.WeightAnnouncement)
         self.mode = mode

@@ -8,19 +8,11 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from asyncrl.config import Config
+from generators.engines import SampleOut, WeightUpdateStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleOut:
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = ""
 
 
 def cpu_env_defaults(cfg: Config) -> None:
@@ -234,7 +226,7 @@ class VllmEngine:
         for _ in range(2):
             await asyncio.sleep(0)
 
-    async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> dict:
+    async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> WeightUpdateStats:
         """Receives and loads the weights in every worker between a pause and a resume. Returns timings:
         pause_s is the time generation stood still.
 
