@@ -34,8 +34,13 @@ FORCED_EXIT = 128 + signal.SIGTERM  # what a shell reports for a process ended b
 class Leaving:
     """Signal handlers of one role process; `install()` them once its stop callback exists."""
 
-    def __init__(self, role: str, timeout_key: str, timeout_s: float, stop: Callable[[], None]):
-        self.role, self.timeout_key, self.timeout_s = role, timeout_key, timeout_s
+    def __init__(self, role: str, timeout_key: str, timeout_s: float, stop: Callable[[], None],
+                 margin_s: float = 0.0):
+        """Gone within `timeout_s` (the config field `timeout_key`) + `margin_s` of the first signal;
+        the margin is a role's fixed allowance past its configured timeout (a generator's: leaving
+        its weight group and shutting its engine down after the drain)."""
+        self.role, self.timeout_key, self.configured_s, self.margin_s = role, timeout_key, timeout_s, margin_s
+        self.timeout_s = timeout_s + margin_s
         self.stop = stop
         self.since: float | None = None  # time.monotonic() of the first signal
         self._timer: threading.Timer | None = None
@@ -44,6 +49,11 @@ class Leaving:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         return self
+
+    @property
+    def deadline(self) -> float | None:
+        """time.monotonic() by which the role is gone; None before the first signal."""
+        return None if self.since is None else self.since + self.timeout_s
 
     def on_signal(self, signum: int, _frame=None) -> None:
         if self.since is not None:
@@ -62,7 +72,9 @@ class Leaving:
         self._timer = threading.Timer(max(self.timeout_s - 0.5, 0.9 * self.timeout_s), self._overdue)
         self._timer.daemon = True
         self._timer.start()
-        log.info("%s: signal %d: leaving within %s=%.0fs", self.role, signum, self.timeout_key, self.timeout_s)
+        margin = f" + {self.margin_s:.0f}s" if self.margin_s else ""
+        log.info("%s: signal %d: leaving within %s=%.0fs%s", self.role, signum, self.timeout_key, self.configured_s,
+                 margin)
 
     def cancel(self) -> None:
         """The role has left in time: the timer must not fire during the interpreter's exit."""
@@ -70,8 +82,9 @@ class Leaving:
             self._timer.cancel()
 
     def _overdue(self) -> None:
-        log.warning("%s: not gone within %s=%.0fs of the signal (Redis unreachable?): exiting now", self.role,
-                    self.timeout_key, self.timeout_s)
+        margin = f" + {self.margin_s:.0f}s" if self.margin_s else ""
+        log.warning("%s: not gone within %s=%.0fs%s of the signal (Redis unreachable?): exiting now", self.role,
+                    self.timeout_key, self.configured_s, margin)
         self._exit()
 
     @staticmethod

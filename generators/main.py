@@ -2,6 +2,17 @@
 
 State machine: `waiting_weights` (holds no current version: generates nothing) -> `generating`
 <-> `syncing`; SIGTERM -> `draining` (no new leases, in-flight groups finish and are pushed) -> gone.
+
+Leaving (SIGTERM or SIGINT, Redis up or down): the process is gone within
+`generator.drain_timeout_s` + LEAVE_MARGIN_S of the signal. In-flight groups get until
+`drain_timeout_s`; what is unfinished then is cancelled and its prompts handed back; ingest
+confirmations and the weight-group leave get what is left of the margin but LEAVE_RESERVE_S, which
+is kept for the leave record in Redis and the engine's shutdown. Every Redis call on the way out is
+bounded (EXIT_REDIS_S, and the leave deadline, asyncrl/leaving.py): once Redis has not answered,
+the remaining Redis steps are skipped and one line says what was left to the buffer's reclaimer
+(leased prompts come back when their leases expire, buffer.lease_timeout_s). The exit code is 0
+when the generator left by itself (in time, Redis up or down), 143 when the leave timer had to end
+it, 1 after a failure.
 """
 
 from __future__ import annotations
@@ -18,8 +29,9 @@ import time
 import traceback
 
 import zmq.asyncio
+from redis.exceptions import RedisError
 
-from asyncrl import schema, security
+from asyncrl import retry, schema, security
 from asyncrl.config import Config
 from asyncrl.data import encode_prompt
 from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
@@ -39,6 +51,10 @@ WEIGHTS_FALLBACK_S = 0.5  # re-read wgroup/wsync
 VERSION_FALLBACK_S = 0.5  # run.mode=sync: re-read the learner's version
 PROMPTS_FALLBACK_S = 0.1  # run.mode=sync: re-read the prompt stream (and the eval stream with it)
 
+LEAVE_MARGIN_S = 15.0  # past generator.drain_timeout_s: hand-back, confirmations, weight group, engine shutdown
+LEAVE_RESERVE_S = 8.0  # of the margin, kept for the leave record and the engine's shutdown (vLLM: up to ~5 s)
+EXIT_REDIS_S = 2.0  # one Redis call on the way out; not answered by then, Redis counts as unreachable
+
 
 class Generator:
     def __init__(self, cfg: Config, generator_id: str, engine=None):
@@ -54,6 +70,9 @@ class Generator:
         self.inflight: set[asyncio.Task] = set()
         self.stopping = asyncio.Event()
         self.run_over = False  # the learner finished (the `stop` key), as opposed to a SIGTERM drain
+        self.leave_deadline: float | None = None  # time.monotonic() by which the process is gone
+        self.redis_lost: str | None = None  # on the way out: the step at which Redis did not answer
+        self.skipped: list[str] = []  # Redis steps of the way out skipped because of that
         self.tokens = 0
         self.groups = 0
         self.reward_errors = 0
@@ -321,7 +340,7 @@ class Generator:
         the generator was killed (seen in benchmark runs)."""
         in_flight, unconfirmed = len(self.inflight), len(self.outbox)
         if self.inflight:  # their leases go back at once: a resumed run need not wait for the reclaimer
-            await hand_back(self, "the run is over")
+            await self._hand_back("the run is over")
         if in_flight or unconfirmed:
             log.info("generator %s: the run is over; leaving %d groups in flight and %d unconfirmed",
                      self.id, in_flight, unconfirmed)
@@ -334,59 +353,138 @@ class Generator:
         self.auth_failure = error
         self.stopping.set()
 
+    # ---- leaving -------------------------------------------------------------------------------
+
+    def _left_s(self, reserve_s: float = 0.0) -> float:
+        """Seconds until the leave deadline less `reserve_s` (never negative)."""
+        return max(self.leave_deadline - reserve_s - time.monotonic(), 0.0)
+
+    async def _bounded(self, what: str, aw, limit_s: float = EXIT_REDIS_S, lost_on_timeout: bool = True):
+        """One step of the way out that talks to Redis, ended at `limit_s` and at the leave deadline.
+        A Redis error, or a timeout of a single call (`lost_on_timeout`), marks Redis unreachable:
+        every later Redis step is skipped (a frozen redis-server would hold each for socket_timeout,
+        a dead one for buffer.redis_retry_s), and so is this one when Redis was already lost."""
+        if self.redis_lost is not None:
+            aw.close()
+            self.skipped.append(what)
+            return None
+        try:
+            return await asyncio.wait_for(aw, timeout=min(limit_s, self._left_s()))
+        except (TimeoutError, RedisError, OSError) as e:
+            if lost_on_timeout or not isinstance(e, TimeoutError):
+                self.redis_lost = f"{what}: {e!r}"
+                self.skipped.append(what)
+                retry.leave_by(time.monotonic())  # calls still retrying elsewhere give up now
+            else:
+                log.warning("generator %s: %s not done in time; leaving without it", self.id, what)
+            return None
+
+    async def _hand_back(self, why: str | None = None) -> None:
+        """Cancels what is in flight and hands its prompts back (bounded); without Redis the leases
+        are left to expire."""
+        tasks = list(self.inflight)
+        if self.redis_lost is not None:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.skipped.append("hand back")
+            return
+        await self._bounded("hand back", hand_back(self, *([why] if why else [])), lost_on_timeout=True)
+
+    async def _lease_until_stopped(self) -> None:
+        """The lease loop, until `stopping`: it sees that at its next turn (a lease read blocks at
+        most 200 ms); one held in a Redis call under retry (Redis down) is cancelled after a second.
+        A prompt leased by a cancelled read is handed back with the rest (generators/drain.py)."""
+        lease = asyncio.create_task(self.lease_loop())
+        stop = asyncio.create_task(self.stopping.wait())
+        try:
+            await asyncio.wait({lease, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not lease.done():
+                await asyncio.wait({lease}, timeout=1.0)
+        finally:
+            stop.cancel()
+            if not lease.done():
+                lease.cancel()
+            await asyncio.gather(lease, stop, return_exceptions=True)
+        if lease.cancelled() or lease.exception() is None:
+            return
+        if self.stopping.is_set() and isinstance(lease.exception(), (RedisError, OSError)):
+            return  # Redis was down while leaving: the way out handles that
+        raise lease.exception()
+
+    async def _drain(self) -> None:
+        """The way out after the lease loop stopped, within the leave deadline."""
+        self.state = "draining"
+        await self._bounded("heartbeat", self.heartbeat())
+        if not self.run_over and self.redis_lost is None:  # a whole run's teardown sets `stop` first
+            self.run_over = bool(await self._bounded("stop key", self.redis.exists(self.keys.stop)))
+        if self.run_over:
+            await self._leave_finished_run()
+            return
+        # Draining (SIGTERM: a scale-down): no new leases; what is in flight finishes and is pushed.
+        if self.inflight:
+            await asyncio.wait(self.inflight, timeout=self._left_s(LEAVE_MARGIN_S))
+        if self.inflight:  # not done in time: hand their prompts back (generators/drain.py)
+            await self._hand_back()
+        if self.outbox.held:
+            budget = self._left_s(LEAVE_RESERVE_S)
+            await self._bounded("ingest confirmations", self.outbox.drain(timeout_s=budget), budget + 0.5,
+                                lost_on_timeout=False)
+            if self.outbox.held and self.redis_lost is None:
+                log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
+                            self.id, len(self.outbox))
+        if self.epoch >= 0:
+            await self._bounded("weight group leave", self._leave_weight_group(), self._left_s(LEAVE_RESERVE_S),
+                                lost_on_timeout=False)
+
+    async def _goodbye(self) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.gen(self.id))
+            pipe.xadd(self.keys.events, {"kind": "generator_leave", "id": self.id, "t": f"{time.time():.3f}"})
+            await pipe.execute()
+
     async def run(self) -> None:
+        from asyncrl.leaving import Leaving
+
         self.auth_failure = None
         await self.start()
+        self.leaving = Leaving(f"generator {self.id}", "generator.drain_timeout_s", self.cfg.generator.drain_timeout_s,
+                               self.stopping.set, margin_s=LEAVE_MARGIN_S)
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
-        loop.add_signal_handler(signal.SIGINT, self.stopping.set)
+        loop.add_signal_handler(signal.SIGTERM, self.leaving.on_signal, signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGINT, self.leaving.on_signal, signal.SIGINT)
         helpers = [asyncio.create_task(c) for c in (self.notes.run(), self.heartbeat_loop(), self.weights_loop(),
                                                     self.stop_watch(), self.outbox.run())]
         try:
-            await self.lease_loop()
+            await self._lease_until_stopped()
             if self.auth_failure is not None:
                 raise self.auth_failure
-            self.state = "draining"
-            await self.heartbeat()
-            if not self.run_over:  # a SIGTERM of a whole run's teardown: the launcher set `stop` first
-                self.run_over = await _stop_key_set(self.redis, self.keys)
-            if self.run_over:
-                await self._leave_finished_run()
-            else:
-                # Draining (SIGTERM: a scale-down): no new leases; what is in flight finishes and is pushed.
-                if self.inflight:
-                    await asyncio.wait(self.inflight, timeout=self.cfg.generator.drain_timeout_s)
-                if self.inflight:  # not done in time: hand their prompts back (generators/drain.py)
-                    await hand_back(self)
-                if not await self.outbox.drain(timeout_s=60):
-                    log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
-                                self.id, len(self.outbox))
-                await self._leave_weight_group()
+            self.leave_deadline = (self.leaving.since or time.monotonic()) + self.leaving.timeout_s
+            await self._drain()
         finally:
-            for h in helpers:
-                h.cancel()
+            if self.leave_deadline is None:  # a failure: the same bounds on the way out
+                self.leave_deadline = time.monotonic() + self.leaving.timeout_s
+            for t in [*helpers, *self.inflight]:
+                t.cancel()
             # Bounded: a helper inside a Redis call under retry may take a moment to see the cancel.
-            _, stuck = await asyncio.wait(helpers, timeout=5)
+            _, stuck = await asyncio.wait([*helpers, *self.inflight], timeout=min(5.0, max(self._left_s(), 0.5)))
             if stuck:
-                log.warning("generator %s: %d helper tasks did not stop within 5s; leaving anyway", self.id, len(stuck))
-            await self.redis.delete(self.keys.gen(self.id))
-            await self.redis.xadd(self.keys.events, {"kind": "generator_leave", "id": self.id, "t": f"{time.time():.3f}"})
+                log.warning("generator %s: %d tasks did not stop in time; leaving anyway", self.id, len(stuck))
+            await self._bounded("leave record", self._goodbye())
             self.outbox.close()
             self.ctx.term()
             self.engine.shutdown()
-            await self.redis.aclose()
+            try:
+                await asyncio.wait_for(self.redis.aclose(), timeout=1.0)
+            except (TimeoutError, RedisError, OSError):
+                pass
+            if self.redis_lost is not None:
+                log.warning("generator %s left without Redis (unreachable at %s): skipped %s; %d unconfirmed groups "
+                            "and any leased prompts come back when their leases expire (buffer.lease_timeout_s=%.0f)",
+                            self.id, self.redis_lost, ", ".join(self.skipped), len(self.outbox),
+                            self.cfg.buffer.lease_timeout_s)
             log.info("generator %s left: groups=%d tokens=%d", self.id, self.groups, self.tokens)
-
-
-async def _stop_key_set(redis, keys: Keys) -> bool:
-    """Whether the run is over; False when Redis does not answer within 2 s (during an outage a
-    SIGTERM must still end the drain in its own time, not in redis_retry_s)."""
-    from redis.exceptions import RedisError
-
-    try:
-        return bool(await asyncio.wait_for(redis.exists(keys.stop), 2.0))
-    except (TimeoutError, RedisError, OSError):
-        return False
+            self.leaving.cancel()
 
 
 def main(cfg: Config, generator_id: str) -> None:
