@@ -118,6 +118,7 @@ class RewardConfig:
     extract: Literal["auto", "hash", "boxed", "last_number"] = "auto"  # math rewards: see math_reward.py
     format_bonus: float = 0.0  # math rewards: score of a well-formatted but wrong answer
     math_verify: bool = True  # math rewards: use math-verify for non-numeric answers when installed
+    workers: Annotated[int, AtLeastOne] = 4  # threads a generator scores groups on, off its event loop
 
 
 @dataclass

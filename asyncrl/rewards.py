@@ -3,17 +3,20 @@
 Each reward takes (completion text, reference answer) and returns a float. `reward.function=pkg.mod:fn`
 loads a user function called as fn(completion, answer, **row) (row: prompt, prompt_id, group_id);
 `reward.model=PATH` scores prompt+completion with a Hugging Face sequence-classification model, one
-batch per group (asyncrl/reward_model.py). `score_group` is what the generator calls: it catches every
-error per sample, so a broken reward costs that sample's score (0.0, counted and logged), never the
-generator.
+batch per group (asyncrl/reward_model.py). `score_group` scores a group: it catches every error per
+sample, so a broken reward costs that sample's score (0.0, counted and logged), never the generator.
+The generator calls it through `RewardPool`, on `reward.workers` threads off its event loop, so a slow
+reward (a reward model, a symbolic check) does not stall heartbeats, weight syncs or leases.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from asyncrl.arith import arith_reward
 from asyncrl.math_reward import MathReward, gsm8k_reward
@@ -125,3 +128,28 @@ def score_group(reward_fn: RewardFn, completions: list[str], answer: str, row: d
             rewards.append(0.0)
             log.warning("reward error on group=%s sample=%d: %r", group_id, i, e)
     return rewards, errors
+
+
+class RewardPool:
+    """Scores groups on a bounded pool of `workers` threads instead of the caller's event loop.
+
+    Threads, not processes: a user function or a reward model is used as loaded, unpickled. A reward
+    that spends its time in native code (a model's forward, a regex, sympy's C parts, I/O) runs beside
+    the loop; pure-Python work still shares the interpreter, but the loop keeps its turn (the
+    interpreter switches threads every few milliseconds), so heartbeats and syncs are late by
+    milliseconds, not by the reward's time. Groups beyond `workers` wait their turn in the pool."""
+
+    def __init__(self, reward_fn: RewardFn, workers: int):
+        self.reward_fn = reward_fn
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
+
+    async def score(self, completions: list[str], answer: str, row: dict) -> tuple[list[float], int]:
+        return await self.call(score_group, self.reward_fn, completions, answer, row)
+
+    async def call(self, fn: Callable, *args):
+        """`fn(*args)` on a reward thread (other scoring, e.g. an evaluation round's)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def shutdown(self) -> None:
+        """Returns at once: queued groups are dropped, a reward still running finishes in its thread."""
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -90,8 +90,8 @@ class EvalWorker:
         outs = await asyncio.gather(*jobs)
         greedy = outs[0][0]
         samples = outs[1] if task.k > 0 else []
-        greedy_reward, greedy_correct = self.score(greedy.token_ids, task)
-        scored = [self.score(s.token_ids, task) for s in samples]
+        (greedy_reward, greedy_correct), *scored = await gen.rewards.call(
+            lambda: [self.score(s.token_ids, task) for s in [greedy, *samples]])  # on the reward threads
         versions = [v for s in [greedy, *samples] for v in s.versions] or [gen.version]
         result = schema.EvalResult(
             schema_version=schema.SCHEMA_VERSION, round_id=task.round_id, version=task.version,

@@ -37,7 +37,7 @@ from asyncrl.data import encode_prompt
 from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
 from asyncrl.modes import may_generate
 from asyncrl.notify import AsyncNotifications
-from asyncrl.rewards import build_reward, score_group
+from asyncrl.rewards import RewardPool, build_reward
 from asyncrl.sampling import heartbeat_fields
 from generators.drain import hand_back
 from generators.evaluation import EvalWorker
@@ -63,6 +63,7 @@ class Generator:
         self.keys = Keys(cfg.run.name)
         self.engine = engine
         self.reward_fn = build_reward(cfg.reward)
+        self.rewards = RewardPool(self.reward_fn, cfg.reward.workers)  # off the event loop
         self.evals = EvalWorker(self)  # eval rounds (asyncrl/evaluation.py), leased before training prompts
         self.version = -1  # the policy version these weights are; -1 = none yet
         self.epoch = -1
@@ -219,8 +220,8 @@ class Generator:
         prompt_ids = encode_prompt(self.tokenizer, task.prompt, self.cfg.data.chat_template)
         outs = await self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
         texts = [self.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs]
-        # Errors are caught per sample (asyncrl/rewards.py), counted and logged with the group id.
-        rewards, errors = score_group(self.reward_fn, texts, task.answer, {
+        # On the reward threads; errors are caught per sample (asyncrl/rewards.py), counted and logged.
+        rewards, errors = await self.rewards.score(texts, task.answer, {
             "prompt": task.prompt, "prompt_id": task.prompt_id, "group_id": task.group_id})
         samples = []
         for out, reward in zip(outs, rewards, strict=True):
@@ -473,6 +474,7 @@ class Generator:
             await self._bounded("leave record", self._goodbye())
             self.outbox.close()
             self.ctx.term()
+            self.rewards.shutdown()
             self.engine.shutdown()
             try:
                 await asyncio.wait_for(self.redis.aclose(), timeout=1.0)
