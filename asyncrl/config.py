@@ -371,6 +371,10 @@ class DeployConfig:
     # The interface every server of this run binds (learner weight-group store; the buffer has
     # buffer.bind_host). Localhost unless a multi-node run names the node's interface (docs/deploy.md).
     bind_host: str = "127.0.0.1"
+    # The address other nodes reach this node's servers at, published in Redis for the buffer's
+    # ingest socket and the weight-group store. Empty: the bind address (buffer.bind_host,
+    # deploy.bind_host), or this node's host name when that is 0.0.0.0.
+    advertise_host: str = ""
     redis_password_file: str = ""  # a file holding the Redis password (never on a command line)
     run_token_file: str = ""  # a file holding the run token every generator must present
     curve_keys_dir: str = ""  # `asyncrl keys generate --out DIR`: ZeroMQ CURVE between generators and buffer

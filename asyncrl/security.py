@@ -221,8 +221,11 @@ async def watch_auth(mon, what: str) -> None:
     raise AuthFailed(f"{what}: refused by the buffer at {event['endpoint']!r}")
 
 
-def advertised_host(bind_host: str) -> str:
-    """The address other nodes use: the bind address, or this node's name when bound to all interfaces."""
+def advertised_host(bind_host: str, advertise: str = "") -> str:
+    """The address other nodes use: `advertise` (deploy.advertise_host) when set, else the bind
+    address, or this node's name when bound to all interfaces."""
     import socket
 
+    if advertise:
+        return advertise
     return socket.gethostname() if bind_host in ("0.0.0.0", "::") else bind_host

@@ -207,12 +207,16 @@ class WeightSender:
     """Learner rank 0's side: group epochs over a TCPStore and bucketed broadcasts."""
 
     def __init__(self, host: str, port: int, backend: str, join_timeout_s: float, sync_timeout_s: float,
-                 first_epoch: int = 0):
+                 first_epoch: int = 0, advertise: str = ""):
         from asyncrl.listen import master_store
+        from asyncrl.security import advertised_host
 
         # Listens on `host` (deploy.bind_host) only: torch's own master would bind every interface.
         self.store = master_store(host, port, wait_for_workers=False, timeout=timedelta(seconds=join_timeout_s))
-        self.host, self.port, self.backend = host, self.store.port, backend
+        # Published to the members, and gloo's device address (gloo hands it to its peers too), so it
+        # is the address they reach us at, never 0.0.0.0 (which a member would read as itself).
+        self.host = advertised_host(host, advertise)
+        self.port, self.backend = self.store.port, backend
         self.join_timeout_s, self.sync_timeout_s = join_timeout_s, sync_timeout_s
         self.epoch = first_epoch
         self.members: list[str] = []

@@ -120,7 +120,7 @@ class BufferService:
             port = cfg.buffer.ingest_port
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.ingest_addr = f"tcp://{advertised_host(host)}:{port}"
+        self.ingest_addr = f"tcp://{advertised_host(host, cfg.deploy.advertise_host)}:{port}"
         self._last_rates = (time.monotonic(), 0, 0)
         self._depth, self._depth_at = 0, 0.0  # undelivered groups, when last measured
         self.full = False

@@ -255,7 +255,8 @@ class Learner:
         host = cfg.deploy.bind_host
         backend = cfg.weights.backend if cfg.weights.backend != "auto" else ("nccl" if self.cuda else "gloo")
         self.sender = WeightSender(host, cfg.weights.port, backend,
-                                   cfg.weights.join_timeout_s, cfg.weights.sync_timeout_s, first_epoch=epoch0)
+                                   cfg.weights.join_timeout_s, cfg.weights.sync_timeout_s, first_epoch=epoch0,
+                                   advertise=cfg.deploy.advertise_host)
         set_and_notify(self.client, self.keys, self.keys.version, self.version, "version")
         self.pending: list[schema.TrajectoryGroup] = []
         self.dropped_stale = 0
