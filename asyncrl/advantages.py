@@ -152,6 +152,28 @@ def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT:
     return 0.5 * (err * mask).sum() / mask.sum().clamp(min=1)
 
 
+def optimal_token_baseline(scores_B: torch.Tensor, mask_BT: torch.Tensor, logp_BT: torch.Tensor,
+                           sum_pi2_BT: torch.Tensor, group_size: int, kl_BT: torch.Tensor | None = None,
+                           eps: float = 1e-8) -> torch.Tensor:
+    """Optimal token baseline: a baseline per token position and group, weighted by each sample's
+    realized energy. G_t is the return to go (the outcome reward minus the KL penalties from t on),
+    w_t = 1 - 2 pi(a_t) + sum_v pi_v^2 (the squared norm of the logit gradient of log pi(a_t)),
+    W_t = w_1 + ... + w_t, and B_t = sum_i G_t W_t / sum_i W_t over the group's samples still
+    running at t. Where a single sample is still running its baseline is 0 (it would be its own
+    return). Advantage G_t - B_t on valid tokens. B = G * group_size rows in group order."""
+    m = mask_BT.to(scores_B.dtype)
+    returns = scores_B[:, None] * m
+    if kl_BT is not None:
+        returns = returns - (kl_BT * m).flip(1).cumsum(1).flip(1) * m
+    w = (1 - 2 * logp_BT.exp() + sum_pi2_BT) * m
+    W = w.cumsum(1) * m
+    G, N, T = scores_B.numel() // group_size, group_size, mask_BT.shape[1]
+    ret_GNT, W_GNT, m_GNT = returns.view(G, N, T), W.view(G, N, T), m.view(G, N, T)
+    baseline_GT = (ret_GNT * W_GNT).sum(1) / (W_GNT.sum(1) + eps)
+    baseline_GT = torch.where(m_GNT.sum(1) > 1, baseline_GT, torch.zeros_like(baseline_GT))
+    return ((ret_GNT - baseline_GT[:, None, :]) * m_GNT).view(G * N, T)
+
+
 # ---- the registry: algorithm.advantage -------------------------------------------------------------
 
 
@@ -165,6 +187,8 @@ class AdvantageInputs:
     kl_BT: torch.Tensor | None = None  # kl_in=reward: kl_coef * the per-token KL, subtracted as a reward
     values_BT: torch.Tensor | None = None  # the critic's values of the behaviour batch (gae)
     all_reduce: AllReduce | None = None
+    logp_BT: torch.Tensor | None = None  # needs_sum_pi2: log pi of each sampled token (the learner's weights)
+    sum_pi2_BT: torch.Tensor | None = None  # needs_sum_pi2: sum_v pi_v^2 of each token's distribution
 
     def outcome_GN(self) -> torch.Tensor:
         """Scores minus each sequence's summed KL penalty (the outcome estimators' reward)."""
@@ -224,6 +248,16 @@ def _reinforce_pp(x: AdvantageInputs):
 def _reinforce_pp_baseline(x: AdvantageInputs):
     """Group-mean baseline, then whitening over the batch's tokens."""
     return reinforce_pp_baseline(x.outcome_GN(), x.mask_BT, all_reduce=x.all_reduce), None
+
+
+@ADVANTAGES.register("optimal_token_baseline", ref="Optimal Token Baseline (arXiv:2602.07078); verl optimal_token_baseline",
+                     needs_sum_pi2=True)
+def _optimal_token_baseline(x: AdvantageInputs):
+    """A per-token group baseline weighted by accumulated gradient energy (one extra no-grad pass for sum pi^2)."""
+    assert x.logp_BT is not None and x.sum_pi2_BT is not None, "optimal_token_baseline needs log pi and sum pi^2"
+    group_size = x.scores_GN.shape[1]
+    return optimal_token_baseline(x.scores_GN.reshape(-1), x.mask_BT, x.logp_BT, x.sum_pi2_BT, group_size,
+                                  x.kl_BT), None
 
 
 @ADVANTAGES.register("gae", ref="GAE (arXiv:1506.02438); PPO", critic=True)

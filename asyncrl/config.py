@@ -564,8 +564,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if isinstance(value, OverrideText):
         if tp is str:
             return value.as_text()
-        if origin is list:
-            return _coerce(value.as_text(), tp, path)
+        if origin is list:  # `[2, 3]` is a YAML list; `2,3` or `jsonl,wandb` are items typed one by one
+            if isinstance(value.parsed, list):
+                return _coerce(value.parsed, tp, path)
+            return _coerce([OverrideText(v.strip()) for v in value.as_text().split(",") if v.strip()], tp, path)
         if origin in (typing.Union, types.UnionType) and value.parsed is not None:
             args = [a for a in typing.get_args(tp) if a is not type(None)]
             return _coerce(value, args[0], path)

@@ -14,6 +14,9 @@ chunk). N = flattened rows, H = hidden size, V = vocabulary.
 `with_entropy`: the exact entropy of each row's distribution, H = lse - sum_v p_v z_v, comes out
 beside the log-probs from the same chunks (N more floats saved, never the N x V fp32 probabilities),
 with its gradient dH/dz = -p * (log p + H) folded into the same backward pass over each chunk.
+
+`micro_logprobs_sum_pi2` (no grad): the log-probs and each row's sum_v p_v^2 =
+exp(logsumexp(2z) - 2 logsumexp(z)), chunk by chunk, for the optimal-token-baseline advantage.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 _METHOD = "asyncrl_token_logprobs"
+_STATS_METHOD = "asyncrl_token_sum_pi2"
 _CHUNK_BYTES = 1 << 30  # fp32 logits per chunk: about 1 GiB (1766 rows at V = 151936)
 
 
@@ -288,3 +292,40 @@ def micro_logprobs(model: nn.Module, mb, temperature: float, keep_logits_bytes: 
     return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, rows_BT=mb.rows,
                              keep_logits_bytes=keep_logits_bytes, position_ids_BL=mb.position_ids,
                              attn_kwargs=mb.attn_kwargs, flat=True, with_entropy=with_entropy)
+
+
+def _sum_pi2_forward(self: nn.Module, input_ids_BL, attention_mask_BL, temperature: float, rows_BT: torch.Tensor,
+                     position_ids_BL: torch.Tensor | None = None, attn_kwargs: dict | None = None) -> torch.Tensor:
+    """n x 2 (log-prob of the target, sum_v p_v^2) at the flat positions `rows_BT`, no grad."""
+    head = _output_head(self)
+    hidden_BLH = self.get_decoder()(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
+                                    position_ids=position_ids_BL, use_cache=False,
+                                    **(attn_kwargs or {})).last_hidden_state
+    B, L, H = hidden_BLH.shape
+    idx_N = _flat_index(rows_BT)
+    idx_BL = idx_N + idx_N // (L - 1)
+    hidden_nH = hidden_BLH.reshape(-1, H).index_select(0, idx_BL)
+    targets_n = input_ids_BL.reshape(-1).index_select(0, idx_BL + 1)
+    out = torch.empty((idx_N.numel(), 2), dtype=torch.float32, device=hidden_BLH.device)
+    chunk = default_chunk_rows(head.weight.shape[0])
+    for start in range(0, idx_N.numel(), chunk):
+        rows = slice(start, start + chunk)
+        z = _chunk_logits(hidden_nH[rows], head.weight, head.bias, 1.0 / temperature).float()
+        lse = torch.logsumexp(z, dim=-1)
+        out[rows, 0] = z.gather(1, targets_n[rows, None]).squeeze(1) - lse
+        out[rows, 1] = torch.exp(torch.logsumexp(2 * z, dim=-1) - 2 * lse)
+    return out
+
+
+@torch.no_grad()
+def micro_logprobs_sum_pi2(model: nn.Module, mb, temperature: float) -> torch.Tensor:
+    """A micro-batch's completion tokens (in the order of its `flat_N`): n x 2, the log-prob of each
+    token and its distribution's sum_v p_v^2, both at `temperature`, without N x V logits."""
+    method = getattr(model, _STATS_METHOD, None)
+    if method is None:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        setattr(model, _STATS_METHOD, types.MethodType(_sum_pi2_forward, model))
+        register_fsdp_forward_method(model, _STATS_METHOD)
+        method = getattr(model, _STATS_METHOD)
+    return method(mb.input_ids, mb.attention_mask, temperature, mb.rows, mb.position_ids, mb.attn_kwargs)

@@ -29,7 +29,7 @@ from asyncrl import rollout_correction as rc
 from asyncrl.algorithms import aggregate_normalised
 from asyncrl.registry import ADVANTAGES
 from learners.batch import StepBatch, micro_batch
-from learners.logprobs import micro_logprobs
+from learners.logprobs import micro_logprobs, micro_logprobs_sum_pi2
 
 if TYPE_CHECKING:
     from asyncrl.config import AlgorithmConfig, Config
@@ -50,11 +50,11 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def forward_N(fn, step: StepBatch, micro: list[list[int]], packed: bool, pad_id: int) -> torch.Tensor:
-    """`fn(micro_batch)` (a flat tensor of its completion tokens' values) over this rank's
-    micro-batches, without grad, gathered into the step's N positions and summed over the ranks,
-    so every rank holds the values of every sequence."""
-    out = torch.zeros(step.num_tokens, dtype=torch.float32, device=step.device)
+def forward_N(fn, step: StepBatch, micro: list[list[int]], packed: bool, pad_id: int, width: int = 0) -> torch.Tensor:
+    """`fn(micro_batch)` (a flat tensor of its completion tokens' values; n x `width` with a width)
+    over this rank's micro-batches, without grad, gathered into the step's N positions and summed
+    over the ranks, so every rank holds the values of every sequence."""
+    out = torch.zeros((step.num_tokens, width) if width else step.num_tokens, dtype=torch.float32, device=step.device)
     with torch.no_grad():
         for seqs in micro:
             mb = micro_batch(step, seqs, packed, pad_id)
@@ -73,6 +73,20 @@ def logprobs_N(model: nn.Module, step: StepBatch, micro: list[list[int]], cfg: C
                          cfg.learner.packing, pad_id)
     finally:
         model.train(was_training)
+
+
+def logprobs_sum_pi2_N(model: nn.Module, step: StepBatch, micro: list[list[int]], cfg: Config,
+                       pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, sum_v pi_v^2) of every completion token of the step under `model`, N floats each
+    (one no-grad pass; advantage estimators with `needs_sum_pi2`)."""
+    was_training = model.training
+    model.eval()
+    try:
+        both = forward_N(lambda mb: micro_logprobs_sum_pi2(model, mb, cfg.generator.temperature), step, micro,
+                         cfg.learner.packing, pad_id, width=2)
+    finally:
+        model.train(was_training)
+    return both[:, 0].contiguous(), both[:, 1].contiguous()
 
 
 def shaped_rewards(step: StepBatch, alg: AlgorithmConfig, max_tokens: int) -> torch.Tensor:
@@ -130,9 +144,11 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
     proximal pass when the step has a single update.
     """
     alg = cfg.algorithm
-    prox = None
+    prox = sum_pi2 = None
     kl_reward = ref_N is not None and alg.kl_in == "reward"
-    if plan.num_updates > 1 or kl_reward or alg.rollout_rs or alg.is_normalize:
+    if ADVANTAGES.static_meta(alg.advantage).get("needs_sum_pi2", False):
+        prox, sum_pi2 = logprobs_sum_pi2_N(model, step, rank_micro_batches(plan, rank), cfg, pad_id)
+    elif plan.num_updates > 1 or kl_reward or alg.rollout_rs or alg.is_normalize:
         prox = logprobs_N(model, step, rank_micro_batches(plan, rank), cfg, pad_id)
     mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
     kl_ST = kl_coef * step.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator)) if kl_reward else None
@@ -144,7 +160,9 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
         assert step.group_size > 1, "group advantages need equal-sized groups of at least two samples"
     # Every rank holds the whole step, so group baselines and batch-wide whitening need no collective.
     x = adv_fns.AdvantageInputs(rewards_S.view(-1, 1 if critic else step.group_size), mask_ST, alg, kl_ST,
-                                step.grid(values_N) if values_N is not None else None)
+                                step.grid(values_N) if values_N is not None else None,
+                                logp_BT=step.grid(prox) if sum_pi2 is not None else None,
+                                sum_pi2_BT=step.grid(sum_pi2) if sum_pi2 is not None else None)
     adv_ST, returns_ST = adv_fns.estimate(x)
     keep, scale, stats = rollout_correction(step, prox, alg) if (alg.rollout_rs or alg.is_normalize) else (None, None, {})
     return Targets(step.flat(adv_ST), prox, ref_N, step.flat(returns_ST) if returns_ST is not None else None,

@@ -39,6 +39,9 @@ def test_override_text_is_read_by_the_field_type():
     assert cfg.data.alphabet == "0123" and cfg.run.name == "1e3" and cfg.model.path == "true"
     assert cfg.data.arith_prompt == "{a} {op} {b} =" and cfg.learner.lr == 2e-5 and cfg.run.max_steps == 16 and cfg.logging.backends == ["jsonl", "tensorboard"]
     assert load_config(None, ["run.name='quoted'"]).run.name == "quoted"
+    for text in ("[2,3]", "2,3", "[2, 3]"):  # a float list, in YAML flow or comma form
+        cfg = load_config(None, ["algorithm.rollout_rs=token_k1,token_k2", f"algorithm.rollout_rs_threshold={text}"])
+        assert cfg.algorithm.rollout_rs_threshold == [2.0, 3.0], text
     with pytest.raises(ConfigError, match="learner.lr: expected a number, got 'abc'"):
         load_config(None, ["learner.lr=abc"])
     with pytest.raises(ConfigError, match="run.max_steps: expected an integer, got 1.5"):
