@@ -5,6 +5,10 @@
 (without the password) in `{run_dir}/redis_url` for the other jobs, records the backend in the
 run's Redis (`asyncrl scale` reads it), runs the buffer as a child, and stops Redis once the run
 is over (the learner set the stop key and the buffer left) or on SIGTERM (scancel).
+
+Under Ray the driver decides when the run is over for Redis: after the buffer left, the core keeps
+Redis up until the driver's SIGTERM (sent once the learner and the generators are gone, so no role
+calls a Redis that has already stopped), for at most RAY_LINGER_S.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 log = logging.getLogger("asyncrl.deploy_core")
 
 LEAVE_GRACE_S = 60.0  # after the buffer left: time for generators to drain before Redis goes
+RAY_LINGER_S = 240.0  # backend ray: after that, Redis waits this long at most for the driver's SIGTERM
 
 
 def wait_redis_url(run_dir: Path, timeout_s: float = 600.0) -> str:
@@ -109,6 +114,9 @@ def run_core(config_path: str, backend: str) -> int:
             code = 1
         else:
             _wait_generators_left(client, keys, stopping)
+            deadline = time.monotonic() + RAY_LINGER_S
+            while backend == "ray" and not stopping and time.monotonic() < deadline:
+                time.sleep(0.2)
     finally:
         if buffer.poll() is None:
             buffer.terminate()

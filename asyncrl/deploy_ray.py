@@ -70,6 +70,11 @@ def _role_actor_class():
 
             self.name, self.argv, self.env = name, argv, env
             self.proc = None
+            # Every process of the role (its children too: torchrun's ranks, which torch starts in
+            # sessions of their own, the core's redis-server) carries this tag; a reaper outside
+            # the actor ends them all once the actor is gone (`ray job stop`, a killed actor).
+            self.env = {**env, ROLE_TAG: f"{name}-{os.getpid()}-{int(time.time() * 1000)}"}
+            start_reaper(os.getpid(), self.env[ROLE_TAG])
             # Restarted by Ray (its node or process died): a generator comes back under a fresh id, so
             # the learner sees a new member and opens a weight-group epoch for it.
             self.spawn(fresh_id=ray.get_runtime_context().was_current_actor_reconstructed)
@@ -83,7 +88,10 @@ def _role_actor_class():
                 self.argv[i] = f"{self.argv[i].split('r')[0]}r{int(time.time() * 1000) % 10**8}"
 
             def die_with_actor():  # the role must not outlive a killed actor (Linux: PR_SET_PDEATHSIG)
-                ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+                # SIGTERM, not SIGKILL: the role leaves in its own bounded time and takes its own
+                # children with it (the core its redis-server and buffer, torchrun its ranks, a
+                # generator its engine); a SIGKILL would leave those behind (`ray job stop`).
+                ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
             self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
                                          cwd=str(REPO), preexec_fn=die_with_actor)
@@ -112,6 +120,64 @@ def _role_actor_class():
             kill_tree(self.proc.pid, 9)
 
     return RoleActor
+
+
+ROLE_TAG = "ASYNCRL_ROLE_TAG"
+REAP_GRACE_S = 20.0  # after SIGTERM, what is left of a gone actor's role is SIGKILLed
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Pids of the processes whose environment carries ROLE_TAG=tag."""
+    needle = f"{ROLE_TAG}={tag}".encode() + b"\0"
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes() + b"\0":
+                pids.append(int(d.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return pids
+
+
+def start_reaper(watched_pid: int, tag: str) -> None:
+    """A process outside the actor (Ray kills an exiting worker's direct children with SIGKILL,
+    which their own children survive) that waits for `watched_pid` to end, then sends SIGTERM to
+    every process tagged `tag` (each leaves in its own bounded time), and SIGKILL to what is left
+    after REAP_GRACE_S."""
+    env = {k: v for k, v in os.environ.items() if k != ROLE_TAG}
+    subprocess.Popen([sys.executable, "-m", "asyncrl.deploy_ray", "reap", str(watched_pid), tag], cwd=str(REPO),
+                     env={**env, "PYTHONPATH": str(REPO)}, start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _reap(watched_pid: int, tag: str) -> None:
+    import signal
+
+    if os.fork() > 0:  # the parent returns at once: the reaper is nobody's child in the actor's tree
+        os._exit(0)
+    while True:
+        try:
+            os.kill(watched_pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            pass
+        time.sleep(0.5)
+    for sig, wait_s in ((signal.SIGTERM, REAP_GRACE_S), (signal.SIGKILL, 5.0)):
+        pids = tagged_processes(tag)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = tagged_processes(tag)
+        if not pids:
+            return
 
 
 PLACE_TIMEOUT_S = float(os.environ.get("ASYNCRL_RAY_PLACE_TIMEOUT_S", "120"))
@@ -242,10 +308,21 @@ class RayDriver:
             self._supervise_generators(client, keys, log_event)
         print(f"asyncrl ray driver: learner exited with {code}; generators restarted {self.num_restarts} time(s)",
               flush=True)
-        deadline = time.monotonic() + 120  # the learner set the stop key: everyone leaves by themselves
-        while time.monotonic() < deadline and (self.ray.get(core.poll.remote()) is None or any(
-                self._poll(a) is None for a, _ in self.generators.values())):
+        # The learner set the stop key: the generators and the buffer leave by themselves. Redis (the
+        # core) must outlive every role's last call: the core keeps it up after the buffer left
+        # (asyncrl/deploy_core.py, backend ray) until it is stopped here, once the learner nodes and
+        # the generators are gone. The driver itself calls Redis no more from here on.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(
+                self._poll(a) is None for a in [*learners, *(a for a, _ in self.generators.values())]):
             time.sleep(1.0)
+        try:
+            self.ray.get(core.terminate.remote(), timeout=30)
+        except Exception as e:  # already gone is fine: we are tearing down
+            log.info("teardown: %r", e)
+        deadline = time.monotonic() + 45  # the core's buffer grace (30 s) and Redis' shutdown
+        while time.monotonic() < deadline and self._poll(core) is None:
+            time.sleep(0.5)
         for actor in [core, *learners, *(a for a, _ in self.generators.values())]:
             try:
                 self.ray.get(actor.kill.remote(), timeout=30)
@@ -342,3 +419,7 @@ def driver_main(argv: list[str] | None = None) -> int:
     except PlacementTimeout as e:  # the roles placed so far are the job's actors: they go with the driver
         print(f"asyncrl ray driver: {e}", file=sys.stderr, flush=True)
         return 2
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["reap"]:  # start_reaper's process
+    _reap(int(sys.argv[2]), sys.argv[3])

@@ -85,3 +85,88 @@ def test_submit_ray_runs_to_completion_and_survives_a_killed_generator(ray_head,
     assert "[gen-g0] started" in out and "learner exited with 0" in out  # the driver's log, streamed back
     # The restarted actor spawned a second generator process with the same id.
     assert out.count("[gen-g0] started") >= 2, out[-5000:]
+
+
+def _processes_of(marker: str, but: set[int], redis_port: int | None = None) -> list[str]:
+    """Processes whose command line or environment names `marker` (the run's directory), and the
+    run's redis-server (it rewrites its command line to `redis-server HOST:PORT`)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in but:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in cmd or marker.encode() in env or (
+                redis_port is not None and "redis-server" in cmd and f":{redis_port}" in cmd):
+            found.append(f"{d.name}: {cmd[:300]}")
+    return found
+
+
+def test_ray_job_stop_leaves_no_process_of_the_run_behind(ray_head, tmp_path, tiny_model):
+    """`ray job stop` mid-run: the core's redis-server and buffer, the learner (torchrun and its
+    rank) and the generator are all gone, not only the Ray actors that started them."""
+    import os
+    import re
+
+    dashboard, _ = ray_head
+    name = "raystop"
+    run_dir = (tmp_path / "runs" / name).resolve()
+    argv = [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
+            f"model.path={tiny_model}", f"run.name={name}", "run.max_steps=100000", "learner.nproc=1",
+            "generator.backend=hf", "generator.max_tokens=16", "run.stall_timeout_s=0",
+            "--address", dashboard, "--generators", "1", "--cpus-per-role", "0.25"]
+    log_path = tmp_path / "submit.log"
+    log = open(log_path, "w")
+    submit = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while len(_rows(run_dir)) < 1:
+            assert time.monotonic() < deadline and submit.poll() is None, log_path.read_text()[-5000:]
+            time.sleep(2)
+        port = int((run_dir / "redis_url").read_text().strip().rsplit(":", 1)[1].split("/")[0])
+        running = _processes_of(str(run_dir), {os.getpid(), submit.pid}, port)
+        assert any("redis-server" in p for p in running) and any("generator" in p for p in running), running
+        job = re.search(r"--submission-id (\S+)", log_path.read_text()).group(1)
+        res = subprocess.run([RAY, "job", "stop", "--address", dashboard, job], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        submit.wait(timeout=60)
+        deadline = time.monotonic() + 60  # the roles' own leave bounds (generator: drain timeout + 15 s)
+        while (left := _processes_of(str(run_dir), {os.getpid()}, port)) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not left, "left behind by `ray job stop`:\n" + "\n".join(left)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+        log.close()
+        from asyncrl.launcher import kill_tree
+
+        for p in _processes_of(str(run_dir), {os.getpid()}):
+            kill_tree(int(p.split(":")[0]), 9)
+
+
+def test_ray_orderly_teardown_logs_no_error_and_leaves_nothing(ray_head, tmp_path, tiny_model):
+    """A run that finishes (max_steps): Redis outlives every role's last call (the driver stops the
+    core last), so no role logs an ERROR on the way out, and no process of the run is left."""
+    import os
+
+    dashboard, _ = ray_head
+    name = "rayend"
+    run_dir = (tmp_path / "runs" / name).resolve()
+    argv = [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
+            f"model.path={tiny_model}", f"run.name={name}", "run.max_steps=3", "learner.nproc=1",
+            "generator.backend=hf", "generator.max_tokens=16", "run.stall_timeout_s=0",
+            "--address", dashboard, "--generators", "1", "--cpus-per-role", "0.25"]
+    log_path = tmp_path / "submit.log"
+    with open(log_path, "w") as log:
+        res = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    out = log_path.read_text()
+    assert res.returncode == 0 and "learner exited with 0" in out, out[-5000:]
+    assert _rows(run_dir)[-1]["step"] == 3
+    logs = {"submit": out, **{p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}}
+    errors = [f"{n}: {line}" for n, text in logs.items() for line in text.splitlines() if " ERROR " in line]
+    assert not errors, "\n".join(errors[:20])
+    assert not _processes_of(str(run_dir), {os.getpid()}), "left behind by an orderly teardown"
