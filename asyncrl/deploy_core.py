@@ -87,7 +87,7 @@ def run_core(config_path: str, backend: str) -> int:
         log.warning("Redis bound to %s without deploy.redis_password_file: anyone on that network can use it", host)
     redis = LocalRedis(run_dir / "redis", appendfsync=cfg.buffer.appendfsync, password=redis_password(),
                        host=host, cpus=cpus_of(cfg, "buffer")).start()  # the buffer pins itself
-    url = f"redis://{advertised_host(host)}:{redis.port}/0"
+    url = f"redis://{advertised_host(host, cfg.deploy.advertise_host)}:{redis.port}/0"
     client = connect(f"redis://127.0.0.1:{redis.port}/0" if host in ("0.0.0.0", "::") else url)
     keys = Keys(cfg.run.name)
     client.delete(keys.stop)
