@@ -136,8 +136,9 @@ class RewardPool:
     Threads, not processes: a user function or a reward model is used as loaded, unpickled. A reward
     that spends its time in native code (a model's forward, a regex, sympy's C parts, I/O) runs beside
     the loop; pure-Python work still shares the interpreter, but the loop keeps its turn (the
-    interpreter switches threads every few milliseconds), so heartbeats and syncs are late by
-    milliseconds, not by the reward's time. Groups beyond `workers` wait their turn in the pool."""
+    interpreter switches threads every few milliseconds), so heartbeats and syncs are late by a few
+    switch intervals per busy thread, not by the reward's time. Groups beyond `workers` wait their
+    turn in the pool."""
 
     def __init__(self, reward_fn: RewardFn, workers: int):
         self.reward_fn = reward_fn

@@ -468,7 +468,8 @@ class Generator:
             for t in [*helpers, *self.inflight]:
                 t.cancel()
             # Bounded: a helper inside a Redis call under retry may take a moment to see the cancel.
-            _, stuck = await asyncio.wait([*helpers, *self.inflight], timeout=min(5.0, max(self._left_s(), 0.5)))
+            pending = [*helpers, *self.inflight]
+            _, stuck = (await asyncio.wait(pending, timeout=min(5.0, max(self._left_s(), 0.5)))) if pending else ((), ())
             if stuck:
                 log.warning("generator %s: %d tasks did not stop in time; leaving anyway", self.id, len(stuck))
             await self._bounded("leave record", self._goodbye())
