@@ -105,6 +105,14 @@ def _processes_of(marker: str, but: set[int], redis_port: int | None = None) -> 
     return found
 
 
+def _submit_argv(tmp_path, tiny_model, name: str, dashboard: str, max_steps: int) -> list[str]:
+    """`asyncrl submit ray` of the tiny config with one HF-backend generator, as the teardown tests run it."""
+    return [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
+            f"model.path={tiny_model}", f"run.name={name}", f"run.max_steps={max_steps}", "learner.nproc=1",
+            "generator.backend=hf", "generator.max_tokens=16", "run.stall_timeout_s=0",
+            "--address", dashboard, "--generators", "1", "--cpus-per-role", "0.25"]
+
+
 def test_ray_job_stop_leaves_no_process_of_the_run_behind(ray_head, tmp_path, tiny_model):
     """`ray job stop` mid-run: the core's redis-server and buffer, the learner (torchrun and its
     rank) and the generator are all gone, not only the Ray actors that started them."""
@@ -114,10 +122,7 @@ def test_ray_job_stop_leaves_no_process_of_the_run_behind(ray_head, tmp_path, ti
     dashboard, _ = ray_head
     name = "raystop"
     run_dir = (tmp_path / "runs" / name).resolve()
-    argv = [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
-            f"model.path={tiny_model}", f"run.name={name}", "run.max_steps=100000", "learner.nproc=1",
-            "generator.backend=hf", "generator.max_tokens=16", "run.stall_timeout_s=0",
-            "--address", dashboard, "--generators", "1", "--cpus-per-role", "0.25"]
+    argv = _submit_argv(tmp_path, tiny_model, name, dashboard, 100000)
     log_path = tmp_path / "submit.log"
     log = open(log_path, "w")
     submit = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -156,10 +161,7 @@ def test_ray_orderly_teardown_logs_no_error_and_leaves_nothing(ray_head, tmp_pat
     dashboard, _ = ray_head
     name = "rayend"
     run_dir = (tmp_path / "runs" / name).resolve()
-    argv = [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
-            f"model.path={tiny_model}", f"run.name={name}", "run.max_steps=3", "learner.nproc=1",
-            "generator.backend=hf", "generator.max_tokens=16", "run.stall_timeout_s=0",
-            "--address", dashboard, "--generators", "1", "--cpus-per-role", "0.25"]
+    argv = _submit_argv(tmp_path, tiny_model, name, dashboard, 3)
     log_path = tmp_path / "submit.log"
     with open(log_path, "w") as log:
         res = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=900)
