@@ -199,8 +199,6 @@ class BufferService:
                 continue
             valid.append(group.group_id)
             dedupe_append(pipe, self.keys, group.group_id, buf)
-        self.count("frames", len(frames))
-        self.count("bytes", nbytes)
         added = 0
         if valid:
             for gid, ok in zip(valid, pipe.execute(), strict=True):
@@ -210,6 +208,9 @@ class BufferService:
                     self.count("dedupes")
                     log.info("duplicate group %s dropped", gid)
         self.count("groups", added)
+        # Counted last: whenever `frames` shows a frame, its outcome (reject, group, dedupe) is counted too.
+        self.count("frames", len(frames))
+        self.count("bytes", nbytes)
         self._depth += added
         return added
 

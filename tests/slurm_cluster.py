@@ -108,12 +108,31 @@ class SlurmCluster:
     def logs(self) -> str:
         return "\n".join(f"== {f.name}\n{f.read_text()[-2000:]}" for f in sorted(self.dir.glob("*.log")) + sorted(self.dir.glob("*.out")))
 
-    def job_state(self, job: str) -> str:
-        res = subprocess.run(["scontrol", "show", "job", str(job), "-o"], capture_output=True, text=True)
-        for part in res.stdout.split():
-            if part.startswith("JobState="):
-                return part.split("=", 1)[1]
-        return "GONE"
+    def job_state(self, job: str, retry_s: float = 60.0) -> str:
+        """The job's state; GONE once slurmctld no longer knows the job. A busy slurmctld that does not
+        answer (that is not a job that left) is asked again for up to `retry_s`, then UNKNOWN."""
+        deadline = time.monotonic() + retry_s
+        while True:
+            res = subprocess.run(["scontrol", "show", "job", str(job), "-o"], capture_output=True, text=True)
+            for part in res.stdout.split():
+                if part.startswith("JobState="):
+                    return part.split("=", 1)[1]
+            if "Invalid job id" in res.stderr:
+                return "GONE"
+            if time.monotonic() >= deadline:
+                return "UNKNOWN"
+            time.sleep(1)
+
+    def state_when_ended(self, job: str, timeout_s: float) -> str | None:
+        """The job's final state once it has one (COMPLETED, FAILED, CANCELLED, ...; GONE), or None if it
+        had none within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = self.job_state(job)
+            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"):
+                return state
+            time.sleep(2)
+        return None
 
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "--user=root"], capture_output=True)
@@ -127,3 +146,21 @@ class SlurmCluster:
                     p.kill()
                     p.wait()
         os.environ.pop("SLURM_CONF", None)
+
+
+def job_processes(job: str) -> list[str]:
+    """`pid cmdline` of every process whose environment says it belongs to Slurm job `job` (Slurm sets
+    SLURM_JOB_ID for the batch script, and everything it starts inherits it: the role, its engine or
+    ranks, a redis-server in a session of its own)."""
+    needle = f"SLURM_JOB_ID={job}".encode() + b"\0"
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes() + b"\0":
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                out.append(f"{d.name} {cmd[:160]}")
+        except OSError:  # gone meanwhile
+            continue
+    return out

@@ -61,6 +61,26 @@ def _wait(cond, timeout_s, what, diag):
     raise AssertionError(f"waited {timeout_s}s for {what}\n{diag()}")
 
 
+def _ended(slurm, job, timeout_s, what, diag):
+    """The job's final state, once it has one (slurmctld's own timeouts under load are waited out)."""
+    state = slurm.state_when_ended(job, timeout_s)
+    if state is None:
+        raise AssertionError(f"waited {timeout_s}s for {what}\n{diag()}")
+    return state
+
+
+def _nothing_left(jobs, timeout_s, diag):
+    """No process of these jobs is left (Slurm's KillWait is 60 s in tests/slurm_cluster.py)."""
+    left = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = {job: procs for job in jobs if (procs := slurm_cluster.job_processes(job))}
+        if not left:
+            return
+        time.sleep(2)
+    raise AssertionError(f"processes left {timeout_s}s after their jobs ended: {left}\n{diag()}")
+
+
 # vLLM's per-sync chatter: dropped from the focused log so that its last lines are the ones that tell.
 NOISE = ("Attempted to load weight", "RotaryEmbedding", "pause state", "prefix cache", "Reloading")
 
@@ -82,17 +102,14 @@ def test_submit_slurm_runs_tiny_config_to_completion(slurm, tmp_path, tiny_model
     jobs = _submit(slurm, tmp_path, tiny_model, "slurm1", 1, "run.max_steps=3")
     run_dir = tmp_path / "runs" / "slurm1"
     diag = _diag(slurm, run_dir)
-    _wait(lambda: slurm.job_state(jobs["learner"]) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"),
-          RUN_TIMEOUT_S, "the learner job to finish", diag)
-    assert slurm.job_state(jobs["learner"]) == "COMPLETED", diag()
+    assert _ended(slurm, jobs["learner"], RUN_TIMEOUT_S, "the learner job to finish", diag) == "COMPLETED", diag()
     rows = _rows(run_dir)
     assert [r["step"] for r in rows][-1] == 3, diag()
     assert all(r["generators_in_batch"] == ["g0"] for r in rows)
     # The learner set the stop key: the generator and the core job leave by themselves, cleanly.
     for role in ("g0", "core"):
-        _wait(lambda role=role: slurm.job_state(jobs[role]) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"),
-              180, f"the {role} job to end", diag)
-        assert slurm.job_state(jobs[role]) == "COMPLETED", diag()
+        assert _ended(slurm, jobs[role], 180, f"the {role} job to end", diag) == "COMPLETED", diag()
+    _nothing_left(jobs.values(), 30, diag)
     assert not (run_dir / "redis_url").exists()  # the core job took its address down with Redis
     for name in ("core", "learner", "buffer", "generator-g0"):
         assert any((run_dir / "logs").glob(f"{name}*.log")), f"no {name} log"
@@ -120,25 +137,27 @@ def test_slurm_scale_up_down_and_scancel(slurm, tmp_path, tiny_model):
     res = _asyncrl("scale", "configs/tiny.yaml", *overrides, "--generators", "-1")
     assert res.returncode == 0 and "g2" in res.stdout, res.stderr
     g2_job = next(job for job, gid, _ in _generator_jobs_all(run_dir) if gid == "g2")
-    _wait(lambda: slurm.job_state(g2_job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), 300,
-          "g2 to drain and leave", diag)
-    assert slurm.job_state(g2_job) == "COMPLETED", _diag(slurm, run_dir, focus="g2")()
+    state = _ended(slurm, g2_job, 300, "g2 to drain and leave", diag)
+    assert state == "COMPLETED", _diag(slurm, run_dir, focus="g2")()
     leaves = [f for _, f in client.xrange(keys.events) if f[b"kind"] == b"generator_leave"]
     assert any(f[b"id"] == b"g2" for f in leaves)
 
-    # scancel of g1: the run goes on with g0.
+    # scancel of g1 (the whole job: SIGTERM to each of its processes, SIGKILL after KillWait): the run
+    # goes on with g0, and nothing of g1 is left, its engine's processes included.
+    assert len(slurm_cluster.job_processes(jobs["g1"])) >= 3, slurm_cluster.job_processes(jobs["g1"])
     subprocess.run(["scancel", jobs["g1"]], check=True)
-    _wait(lambda: slurm.job_state(jobs["g1"]) in ("CANCELLED", "COMPLETED", "FAILED", "GONE"), 300,
-          "g1 to be cancelled", diag)
+    _ended(slurm, jobs["g1"], 300, "g1 to be cancelled", diag)
+    _nothing_left([jobs["g1"]], 90, diag)
     steps_then = len(_rows(run_dir))
     _wait(lambda: len(_rows(run_dir)) >= steps_then + 2, RUN_TIMEOUT_S, "two more steps after scancel", diag)
-    assert slurm.job_state(jobs["learner"]) == "RUNNING" and slurm.job_state(jobs["core"]) == "RUNNING"
+    assert slurm.job_state(jobs["learner"]) == "RUNNING" and slurm.job_state(jobs["core"]) == "RUNNING", diag()
     assert _rows(run_dir)[-1]["generators_in_batch"] == ["g0"]
 
-    client.set(keys.stop_request, 1)  # finish like at max_steps
-    _wait(lambda: slurm.job_state(jobs["learner"]) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), 300,
-          "the learner to finish", diag)
-    assert slurm.job_state(jobs["learner"]) == "COMPLETED", diag()
+    # scancel of the rest of the run, as a user stops it: every process of every job is gone.
+    subprocess.run(["scancel", jobs["learner"], jobs["core"], jobs["g0"]], check=True)
+    for role in ("learner", "core", "g0"):
+        _ended(slurm, jobs[role], 300, f"the {role} job to be cancelled", diag)
+    _nothing_left([*jobs.values(), g2_job], 90, diag)
 
 
 def _generator_jobs_all(run_dir):
