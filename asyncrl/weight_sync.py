@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from asyncrl import torch_private
 from asyncrl.schema import SCHEMA_VERSION, Bucket, GroupEpoch, TensorMeta, WeightAnnouncement
 
 log = logging.getLogger(__name__)
@@ -105,21 +106,14 @@ def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: 
     """
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
         # gloo runs each collective on one of its worker threads (2 by default) and a receive is
         # posted only once a thread has picked its broadcast up: as many threads as buckets in
         # flight. Measured, 100M params to 1 receiver on 2 cores: 0.15-0.17 s vs 0.18-0.20 s a push.
-        opts._threads = PIPELINE_DEPTH
-        if os.environ.get("GLOO_SOCKET_IFNAME"):
-            opts._devices = [dist.ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"])]
-        else:
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address or "127.0.0.1")]
-        return dist.ProcessGroupGloo(store, rank, size, opts)
+        return torch_private.gloo_group(store, rank, size, timeout, threads=PIPELINE_DEPTH,
+                                        interface=os.environ.get("GLOO_SOCKET_IFNAME", ""),
+                                        hostname=address or "127.0.0.1")
     if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
+        return torch_private.nccl_group(store, rank, size, timeout)
     raise ValueError(f"unknown weight-group backend {backend!r}")
 
 
@@ -466,9 +460,5 @@ class WeightReceiver:
 def _unshared(base: torch.Tensor) -> bool:
     """True when `base` holds the only reference to its storage (views and in-flight work hold one each).
 
-    torch has no public storage use count; inductor's CUDA-graph trees use this one. Without it,
-    nothing is ever reused (fresh buffers, as before)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    return use_count(base.untyped_storage()._cdata) == 2  # `base` and the temporary storage object
+    Without a use count (asyncrl/torch_private.py), nothing is ever reused: fresh buffers."""
+    return torch_private.storage_use_count(base) == 2  # `base` and the temporary storage object
