@@ -174,6 +174,19 @@ def optimal_token_baseline(scores_B: torch.Tensor, mask_BT: torch.Tensor, logp_B
     return ((ret_GNT - baseline_GT[:, None, :]) * m_GNT).view(G * N, T)
 
 
+def remax(scores_B: torch.Tensor, baselines_B: torch.Tensor, mask_BT: torch.Tensor,
+          kl_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """ReMax: each token's return to go (the outcome reward minus the KL penalties from t on) minus
+    `baselines_B`, the reward of the greedy completion of the sample's prompt; zero past each
+    sequence's end. Without a KL penalty that is r_i - b on every valid token (verl
+    compute_remax_outcome_advantage)."""
+    m = mask_BT.to(scores_B.dtype)
+    returns = scores_B[:, None] * m
+    if kl_BT is not None:
+        returns = returns - (kl_BT * m).flip(1).cumsum(1).flip(1) * m
+    return (returns - baselines_B.to(scores_B.dtype)[:, None]) * m
+
+
 # ---- the registry: algorithm.advantage -------------------------------------------------------------
 
 
@@ -189,6 +202,7 @@ class AdvantageInputs:
     all_reduce: AllReduce | None = None
     logp_BT: torch.Tensor | None = None  # needs_sum_pi2: log pi of each sampled token (the learner's weights)
     sum_pi2_BT: torch.Tensor | None = None  # needs_sum_pi2: sum_v pi_v^2 of each token's distribution
+    baselines_G: torch.Tensor | None = None  # greedy_baseline: each group's greedy completion's reward
 
     def outcome_GN(self) -> torch.Tensor:
         """Scores minus each sequence's summed KL penalty (the outcome estimators' reward)."""
@@ -258,6 +272,15 @@ def _optimal_token_baseline(x: AdvantageInputs):
     group_size = x.scores_GN.shape[1]
     return optimal_token_baseline(x.scores_GN.reshape(-1), x.mask_BT, x.logp_BT, x.sum_pi2_BT, group_size,
                                   x.kl_BT), None
+
+
+@ADVANTAGES.register("remax", ref="ReMax (arXiv:2310.10505); verl remax", greedy_baseline=True)
+def _remax(x: AdvantageInputs):
+    """Greedy baseline: r minus the reward of the prompt's greedy completion (one more generation per prompt, not trained)."""
+    assert x.baselines_G is not None, "advantage=remax needs each group's greedy baseline reward"
+    num_samples = x.scores_GN.shape[1]
+    baselines_B = x.baselines_G.to(x.scores_GN.dtype).repeat_interleave(num_samples)
+    return remax(x.scores_GN.reshape(-1), baselines_B, x.mask_BT, x.kl_BT), None
 
 
 @ADVANTAGES.register("gae", ref="GAE (arXiv:1506.02438); PPO", critic=True)

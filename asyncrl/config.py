@@ -254,7 +254,9 @@ RolloutRSName = _registered("ROLLOUT_CORRECTIONS")
 @dataclass
 class AlgorithmConfig:
     # Every algorithm's value, what it is for and its reference: docs/algorithms.md (from asyncrl/registry.py).
-    # gae trains a critic (learners/critic.py) and works with generator.n=1; the others are group baselines.
+    # gae trains a critic (learners/critic.py) and remax subtracts the reward of one greedy completion per
+    # prompt (generated beside the samples, not trained); both work with generator.n=1. The others are
+    # group baselines.
     advantage: AdvantageName = "grpo"
     loss: PolicyLossName = "decoupled_ppo"
     clip_low: Annotated[float, NonNegative] = 0.2
@@ -425,16 +427,28 @@ class Config:
                 and m.tiny_intermediate_size >= 0 and m.tiny_hidden_size % (m.tiny_num_heads or 64) == 0
                 and heads % m.tiny_num_kv_heads == 0)
 
+    def _advantage_meta(self, flag: str) -> bool:
+        """A flag of algorithm.advantage's registration (asyncrl/advantages.py), read without torch."""
+        from asyncrl import registry
+
+        return bool(registry.ADVANTAGES.static_meta(self.algorithm.advantage).get(flag, False))
+
     def validate(self) -> Config:
         """Declared bounds (`Range` on the fields), then cross-field checks; each error names the
         dotted path and the fix."""
         for message in _range_errors(self, ""):
             raise ConfigError(message)
         checks = [
-            # GAE's baseline is the critic, not the group, so only the group advantages need n > 1.
-            (self.generator.n > 1 or self.algorithm.advantage == "gae",
+            # GAE's baseline is the critic and ReMax's the prompt's greedy completion, not the group,
+            # so only the group advantages need n > 1.
+            (self.generator.n > 1 or self._advantage_meta("critic") or self._advantage_meta("greedy_baseline"),
              f"generator.n must be > 1 for group advantages (algorithm.advantage={self.algorithm.advantage}), "
-             f"got {self.generator.n}; algorithm.advantage=gae (a critic) works with n=1"),
+             f"got {self.generator.n}; algorithm.advantage=gae (a critic) or remax (a greedy baseline) works with n=1"),
+            # The overlong penalty shapes each sample's reward by its length in the learner, which knows
+            # nothing of the greedy completion's length: its baseline would stay unshaped.
+            (not self._advantage_meta("greedy_baseline") or self.algorithm.overlong_buffer == 0,
+             f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} shapes the samples' rewards but not the "
+             f"greedy baseline of algorithm.advantage={self.algorithm.advantage}: set algorithm.overlong_buffer=0"),
             (self.generator.n > 1 or not self.algorithm.dynamic_sampling,
              "algorithm.dynamic_sampling=true drops groups whose rewards are all equal, which is every group "
              "with generator.n=1: set generator.n > 1 or algorithm.dynamic_sampling=false"),

@@ -78,6 +78,10 @@ class TrajectoryGroup(msgspec.Struct, tag="trajectory_group"):
     sampling: SamplingInfo
     created_at: float  # wall-clock seconds when the group finished
     reward_errors: int = 0
+    # The reward of one greedy (temperature 0) completion of the prompt, which is not one of the
+    # samples: the baseline of advantage estimators with `greedy_baseline` (remax); None otherwise.
+    # Optional with a default, so frames without it decode as before (no schema version change).
+    baseline_reward: float | None = None
 
     def min_version(self) -> int:
         return min(int(unpack_i32(s.versions).min()) for s in self.samples if s.num_tokens)
@@ -220,6 +224,8 @@ def validate_group(group: TrajectoryGroup, max_tokens: int | None = None) -> Non
         raise FrameError("bad_sampling", f"temperature={sp.temperature} top_p={sp.top_p} top_k={sp.top_k}")
     if not (_finite(group.created_at) and group.created_at > 0):
         raise FrameError("bad_timestamp", f"created_at={group.created_at}")
+    if group.baseline_reward is not None and not math.isfinite(group.baseline_reward):
+        raise FrameError("bad_baseline", f"baseline_reward {group.baseline_reward}")
     if not 0 <= group.reward_errors <= len(group.samples):
         raise FrameError("bad_count", f"reward_errors={group.reward_errors} for {len(group.samples)} samples")
     if len(group.prompt_ids) == 0 or len(group.prompt_ids) % 4:
@@ -256,18 +262,23 @@ def validate_group(group: TrajectoryGroup, max_tokens: int | None = None) -> Non
 
 class RunLimits(msgspec.Struct, frozen=True):
     """What a group must agree with to be trainable in this run; the wire checks above cannot know it.
-    `vocab_size` None: unknown here (a buffer without the model folder), not checked."""
+    `vocab_size` None: unknown here (a buffer without the model folder), not checked.
+    `needs_baseline`: the run's advantage estimator takes each group's greedy baseline (remax)."""
 
     vocab_size: int | None
     sampling: SamplingInfo
     max_tokens: int
     max_model_len: int
+    needs_baseline: bool = False
 
     @classmethod
     def from_config(cls, cfg, vocab_size: int | None) -> RunLimits:
+        from asyncrl.registry import ADVANTAGES  # the standard library only: reads the decorators' source
+
         g = cfg.generator
         return cls(vocab_size=vocab_size, sampling=SamplingInfo(float(g.temperature), float(g.top_p), int(g.top_k)),
-                   max_tokens=g.max_tokens, max_model_len=g.max_model_len)
+                   max_tokens=g.max_tokens, max_model_len=g.max_model_len,
+                   needs_baseline=bool(ADVANTAGES.static_meta(cfg.algorithm.advantage).get("greedy_baseline")))
 
 
 def split_group_id(group_id: str) -> tuple[str, int] | None:
@@ -282,7 +293,8 @@ def validate_for_run(group: TrajectoryGroup, limits: RunLimits) -> None:
     """Checks a well-formed group against the run (buffer at ingest, learner before training); raises
     FrameError. Why each: a token id past the vocabulary is an IndexError in the learner's gather;
     other sampling settings make every importance ratio silently wrong; a sequence past
-    max_model_len is one no generator of this run can have produced."""
+    max_model_len is one no generator of this run can have produced; a group without the greedy
+    baseline its estimator subtracts has no advantage (a generator of another config made it)."""
     parts = split_group_id(group.group_id)
     if parts is None or parts[0] != group.prompt_id:
         raise FrameError("bad_group_id", f"group_id {group.group_id!r} is not {group.prompt_id!r}@e<epoch>")
@@ -291,6 +303,8 @@ def validate_for_run(group: TrajectoryGroup, limits: RunLimits) -> None:
         raise FrameError("sampling_mismatch", f"sampled with temperature={s.temperature} top_p={s.top_p} "
                          f"top_k={s.top_k}, the run with temperature={want.temperature} top_p={want.top_p} "
                          f"top_k={want.top_k}")
+    if limits.needs_baseline and group.baseline_reward is None:
+        raise FrameError("no_baseline", "algorithm.advantage needs the group's greedy baseline_reward; it has none")
     prompt = unpack_i32(group.prompt_ids)
     if len(prompt) >= limits.max_model_len:
         raise FrameError("too_long", f"prompt of {len(prompt)} tokens >= generator.max_model_len {limits.max_model_len}")

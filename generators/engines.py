@@ -39,7 +39,8 @@ class Engine(Protocol):
 
     async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
                              temperature: float | None = None) -> list[SampleOut]:
-        """`n` completions of one prompt; each token stamped with `version()` at the time it was sampled."""
+        """`n` completions of one prompt; each token stamped with `version()` at the time it was sampled.
+        `temperature` None: generator.temperature; 0.0: greedy (evaluation, advantage=remax's baselines)."""
         ...
 
     async def join(self, epoch_frame: bytes, generator_id: str, timeout_s: float) -> bool:

@@ -74,7 +74,8 @@ class Generator:
         self.leave_deadline: float | None = None  # time.monotonic() by which the process is gone
         self.redis_lost: str | None = None  # on the way out: the step at which Redis did not answer
         self.skipped: list[str] = []  # Redis steps of the way out skipped because of that
-        self.tokens = 0
+        self.tokens = 0  # of the pushed groups' samples (what the learner trains on)
+        self.baseline_tokens = 0  # of the greedy completions that give advantage=remax its baselines
         self.groups = 0
         self.reward_errors = 0
         self.idle_s = 0.0
@@ -86,6 +87,9 @@ class Generator:
 
         self._rate_window, self._rate = FleetTokenRate(start=self.started), 0.0
         self.last_checksums: list[int] = []
+        from asyncrl.registry import ADVANTAGES
+
+        self.greedy_baseline = bool(ADVANTAGES.static_meta(cfg.algorithm.advantage).get("greedy_baseline"))
         self.sampling = schema.SamplingInfo(temperature=cfg.generator.temperature, top_p=cfg.generator.top_p,
                                             top_k=cfg.generator.top_k)
 
@@ -134,7 +138,8 @@ class Generator:
         self._rate = self._rate_window.update({self.id: self.tokens}, now)
         fields = {
             "id": self.id, "state": self.state, "version": self.version, "epoch": self.epoch,
-            "workers": self.engine.num_workers, "tokens": self.tokens, "groups": self.groups,
+            "workers": self.engine.num_workers, "tokens": self.tokens, "baseline_tokens": self.baseline_tokens,
+            "groups": self.groups,
             "tokens_per_s": self._rate, "idle_ratio": self.idle_s / elapsed, "idle_s": round(self.idle_s, 3),
             "reward_errors": self.reward_errors, "sync_s_total": self.sync_s_total,
             "last_pause_s": self.last_pause_s, "num_syncs": self.num_syncs, **heartbeat_fields(self.cfg.generator),
@@ -218,11 +223,16 @@ class Generator:
                 break
             await self.notes.wait(("version", "held"), seen, VERSION_FALLBACK_S)
         prompt_ids = encode_prompt(self.tokenizer, task.prompt, self.cfg.data.chat_template)
-        outs = await self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
+        row = {"prompt": task.prompt, "prompt_id": task.prompt_id, "group_id": task.group_id}
+        sampled = self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
+        baseline = None
+        if self.greedy_baseline:
+            outs, baseline = await asyncio.gather(sampled, self._greedy_baseline(prompt_ids, task, row))
+        else:
+            outs = await sampled
         texts = [self.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs]
         # On the reward threads; errors are caught per sample (asyncrl/rewards.py), counted and logged.
-        rewards, errors = await self.rewards.score(texts, task.answer, {
-            "prompt": task.prompt, "prompt_id": task.prompt_id, "group_id": task.group_id})
+        rewards, errors = await self.rewards.score(texts, task.answer, row)
         samples = []
         for out, reward in zip(outs, rewards, strict=True):
             samples.append(schema.Sample(completion_ids=schema.pack_i32(out.token_ids),
@@ -232,13 +242,26 @@ class Generator:
         group = schema.TrajectoryGroup(schema_version=schema.SCHEMA_VERSION, group_id=task.group_id,
                                        prompt_id=task.prompt_id, generator_id=self.id,
                                        prompt_ids=schema.pack_i32(prompt_ids), samples=samples,
-                                       sampling=self.sampling, created_at=time.time(), reward_errors=errors)
+                                       sampling=self.sampling, created_at=time.time(), reward_errors=errors,
+                                       baseline_reward=baseline)
         # The outbox sends it and acks the prompt once the buffer has ingested the group: a crash
         # (ours or the buffer's) before that leaves the prompt to be re-sent or re-leased.
         self.outbox.put(task.group_id, entry_id, schema.encode(group))
         self.tokens += group.num_tokens()
         self.groups += 1
         self.reward_errors += errors
+
+    async def _greedy_baseline(self, prompt_ids: list[int], task: schema.PromptTask, row: dict) -> float:
+        """advantage=remax: the reward of one greedy completion of the prompt (same max_tokens, same
+        reward function as the samples), generated beside them. It is not a sample: its tokens are
+        counted as `baseline_tokens`, not as the group's. A reward error scores it 0.0, as it does a
+        sample, and is counted with the generator's reward errors."""
+        (greedy,) = await self.engine.generate_group(prompt_ids, 1, lambda: self.version, temperature=0.0)
+        text = self.tokenizer.decode(greedy.token_ids, skip_special_tokens=True)
+        (reward,), errors = await self.rewards.score([text], task.answer, row)
+        self.baseline_tokens += len(greedy.token_ids)
+        self.reward_errors += errors
+        return reward
 
     def _done(self, task: asyncio.Task) -> None:
         self.inflight.discard(task)
@@ -486,7 +509,8 @@ class Generator:
                             "and any leased prompts come back when their leases expire (buffer.lease_timeout_s=%.0f)",
                             self.id, self.redis_lost, ", ".join(self.skipped), len(self.outbox),
                             self.cfg.buffer.lease_timeout_s)
-            log.info("generator %s left: groups=%d tokens=%d", self.id, self.groups, self.tokens)
+            log.info("generator %s left: groups=%d tokens=%d baseline_tokens=%d", self.id, self.groups, self.tokens,
+                     self.baseline_tokens)
             self.leaving.cancel()
 
 

@@ -92,6 +92,7 @@ class StepBatch:
     comp_start: list[int]
     device: torch.device
     micro_cache: dict = field(default_factory=dict)  # learners.batch.micro_batch's, for this step
+    baselines_G: torch.Tensor | None = None  # each group's greedy baseline reward; None unless every group has one
 
     @property
     def num_seqs(self) -> int:
@@ -150,8 +151,11 @@ def build_step(groups: list[schema.TrajectoryGroup], device) -> StepBatch:
     def cat(xs, dt):
         return torch.from_numpy(np.concatenate(xs).astype(dt)) if xs else torch.zeros(0)
 
+    baselines = [g.baseline_reward for g in groups]
+    baselines_G = (torch.tensor(baselines, dtype=torch.float32, device=device)
+                   if groups and None not in baselines else None)
     return StepBatch(tokens=tokens, prompt_len=prompt_len, comp_len=comp_len,
-                     group_sizes=[len(g.samples) for g in groups],
+                     group_sizes=[len(g.samples) for g in groups], baselines_G=baselines_G,
                      rewards_S=torch.tensor(rewards, dtype=torch.float32, device=device),
                      behav_N=cat(behav, np.float32).to(device), versions_N=cat(vers, np.int64).to(device),
                      seq_of_N=cat(seq_of, np.int64).to(device), comp_start=starts, device=torch.device(device))

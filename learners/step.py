@@ -153,16 +153,22 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
     mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
     kl_ST = kl_coef * step.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator)) if kl_reward else None
     rewards_S = shaped_rewards(step, alg, cfg.generator.max_tokens)
-    critic = ADVANTAGES.static_meta(alg.advantage).get("critic", False)
+    meta = ADVANTAGES.static_meta(alg.advantage)
+    critic = meta.get("critic", False)
     if critic:
         assert values_N is not None, f"advantage={alg.advantage} needs the critic's values of the batch"
+    elif meta.get("greedy_baseline", False):
+        # The learner's quarantine refuses groups without a baseline (schema.validate_for_run).
+        assert step.baselines_G is not None, f"advantage={alg.advantage} needs every group's greedy baseline"
+        assert step.group_size > 0, "greedy-baseline advantages need equal-sized groups"
     else:
         assert step.group_size > 1, "group advantages need equal-sized groups of at least two samples"
     # Every rank holds the whole step, so group baselines and batch-wide whitening need no collective.
     x = adv_fns.AdvantageInputs(rewards_S.view(-1, 1 if critic else step.group_size), mask_ST, alg, kl_ST,
                                 step.grid(values_N) if values_N is not None else None,
                                 logp_BT=step.grid(prox) if sum_pi2 is not None else None,
-                                sum_pi2_BT=step.grid(sum_pi2) if sum_pi2 is not None else None)
+                                sum_pi2_BT=step.grid(sum_pi2) if sum_pi2 is not None else None,
+                                baselines_G=step.baselines_G)
     adv_ST, returns_ST = adv_fns.estimate(x)
     keep, scale, stats = rollout_correction(step, prox, alg) if (alg.rollout_rs or alg.is_normalize) else (None, None, {})
     return Targets(step.flat(adv_ST), prox, ref_N, step.flat(returns_ST) if returns_ST is not None else None,

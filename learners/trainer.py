@@ -705,6 +705,9 @@ class Learner:
             **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
             "sample_age_s": time.time() - min(g.created_at for g in groups),
         }
+        baselines = [g.baseline_reward for g in groups if g.baseline_reward is not None]
+        if baselines:  # advantage=remax: the greedy completions' rewards the samples were measured against
+            row["baseline_reward_mean"] = sum(baselines) / len(baselines)
         row.update(self.evaluator.after_step(self.step, self.version))  # eval/* of a round that finished
         self.obs.on_step(row, rewards)  # adds reward quantiles, dropped fraction, fleet metrics
         self.client.hset(self.keys.learner, mapping={"step": self.step, "version": self.version,
