@@ -154,18 +154,23 @@ def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT:
 
 def optimal_token_baseline(scores_B: torch.Tensor, mask_BT: torch.Tensor, logp_BT: torch.Tensor,
                            sum_pi2_BT: torch.Tensor, group_size: int, kl_BT: torch.Tensor | None = None,
-                           eps: float = 1e-8) -> torch.Tensor:
+                           eps: float = 1e-8, is_weights_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Optimal token baseline: a baseline per token position and group, weighted by each sample's
     realized energy. G_t is the return to go (the outcome reward minus the KL penalties from t on),
     w_t = 1 - 2 pi(a_t) + sum_v pi_v^2 (the squared norm of the logit gradient of log pi(a_t)),
     W_t = w_1 + ... + w_t, and B_t = sum_i G_t W_t / sum_i W_t over the group's samples still
     running at t. Where a single sample is still running its baseline is 0 (it would be its own
-    return). Advantage G_t - B_t on valid tokens. B = G * group_size rows in group order."""
+    return). Advantage G_t - B_t on valid tokens. B = G * group_size rows in group order.
+    `is_weights_BT` (the loss's truncated IS weight rho of each token): off-policy samples, each
+    token's energy scaled by rho^2, the weighting that minimises the baseline's error under truncated
+    importance sampling (verl's OTB with rollout IS weights)."""
     m = mask_BT.to(scores_B.dtype)
     returns = scores_B[:, None] * m
     if kl_BT is not None:
         returns = returns - (kl_BT * m).flip(1).cumsum(1).flip(1) * m
     w = (1 - 2 * logp_BT.exp() + sum_pi2_BT) * m
+    if is_weights_BT is not None:
+        w = w * is_weights_BT.to(w.dtype) ** 2
     W = w.cumsum(1) * m
     G, N, T = scores_B.numel() // group_size, group_size, mask_BT.shape[1]
     ret_GNT, W_GNT, m_GNT = returns.view(G, N, T), W.view(G, N, T), m.view(G, N, T)
@@ -203,6 +208,7 @@ class AdvantageInputs:
     logp_BT: torch.Tensor | None = None  # needs_sum_pi2: log pi of each sampled token (the learner's weights)
     sum_pi2_BT: torch.Tensor | None = None  # needs_sum_pi2: sum_v pi_v^2 of each token's distribution
     baselines_G: torch.Tensor | None = None  # greedy_baseline: each group's greedy completion's reward
+    is_weights_BT: torch.Tensor | None = None  # algorithm.otb_is_weights: the loss's truncated IS weight per token
 
     def outcome_GN(self) -> torch.Tensor:
         """Scores minus each sequence's summed KL penalty (the outcome estimators' reward)."""
@@ -271,7 +277,7 @@ def _optimal_token_baseline(x: AdvantageInputs):
     assert x.logp_BT is not None and x.sum_pi2_BT is not None, "optimal_token_baseline needs log pi and sum pi^2"
     group_size = x.scores_GN.shape[1]
     return optimal_token_baseline(x.scores_GN.reshape(-1), x.mask_BT, x.logp_BT, x.sum_pi2_BT, group_size,
-                                  x.kl_BT), None
+                                  x.kl_BT, is_weights_BT=x.is_weights_BT), None
 
 
 @ADVANTAGES.register("remax", ref="ReMax (arXiv:2310.10505); verl remax", greedy_baseline=True)

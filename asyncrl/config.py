@@ -291,6 +291,9 @@ class AlgorithmConfig:
     rollout_rs: list[RolloutRSName] = field(default_factory=list)
     rollout_rs_threshold: list[float] = field(default_factory=lambda: [2.0])
     is_normalize: bool = False  # divide the loss's behaviour IS weights by their batch mean (mean 1)
+    # advantage=optimal_token_baseline: scale each token's energy by rho^2, rho the loss's truncated
+    # behaviour IS weight (min(pi/mu, is_cap) for decoupled_ppo / tis): the baseline for off-policy samples.
+    otb_is_weights: bool = False
     passk_norm_std: bool = True  # advantage=grpo_passk: divide the margin by the group's std
     sapo_tau_pos: Annotated[float, Positive] = 1.0  # loss=sapo: gate temperature for A > 0
     sapo_tau_neg: Annotated[float, Positive] = 1.05  # loss=sapo: gate temperature for A <= 0
@@ -320,6 +323,14 @@ class AlgorithmConfig:
             with_w = [n for n in registry.POLICY_LOSSES.names() if registry.POLICY_LOSSES.static_meta(n).get("is_weight")]
             errors.append(f"algorithm.is_normalize=true rescales a behaviour IS weight, which algorithm.loss={self.loss} "
                           f"does not have: use one of {with_w} or set algorithm.is_normalize=false")
+        if self.otb_is_weights and not registry.ADVANTAGES.static_meta(self.advantage).get("needs_sum_pi2"):
+            errors.append(f"algorithm.otb_is_weights=true weights the optimal token baseline, which "
+                          f"algorithm.advantage={self.advantage} is not: set algorithm.advantage=optimal_token_baseline "
+                          "or algorithm.otb_is_weights=false")
+        if self.otb_is_weights and not registry.POLICY_LOSSES.static_meta(self.loss).get("is_weight"):
+            with_w = [n for n in registry.POLICY_LOSSES.names() if registry.POLICY_LOSSES.static_meta(n).get("is_weight")]
+            errors.append(f"algorithm.otb_is_weights=true takes the loss's behaviour IS weight, which algorithm.loss="
+                          f"{self.loss} does not have: use one of {with_w} or set algorithm.otb_is_weights=false")
         if self.cov_lb >= self.cov_ub:
             errors.append(f"algorithm.cov_lb ({self.cov_lb}) must be < algorithm.cov_ub ({self.cov_ub})")
         return errors

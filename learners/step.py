@@ -130,6 +130,14 @@ def rollout_correction(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConf
     return (step.flat(keep_ST) if alg.rollout_rs else None), scale, stats
 
 
+def otb_is_weights(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
+    """algorithm.otb_is_weights: the loss's truncated behaviour IS weight of each token at pi_prox,
+    on the step's grid (what the optimal token baseline scales each token's energy by, squared)."""
+    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
+    w_ST, _ = losses.is_weight_at_prox(alg, step.grid(prox_N), step.grid(step.behav_N.float()), mask_ST)
+    return w_ST * mask_ST
+
+
 def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config, rank: int = 0,
                   ref_N: torch.Tensor | None = None, kl_coef: float = 0.0, values_N: torch.Tensor | None = None,
                   pad_id: int = 0) -> Targets:
@@ -168,7 +176,8 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
                                 step.grid(values_N) if values_N is not None else None,
                                 logp_BT=step.grid(prox) if sum_pi2 is not None else None,
                                 sum_pi2_BT=step.grid(sum_pi2) if sum_pi2 is not None else None,
-                                baselines_G=step.baselines_G)
+                                baselines_G=step.baselines_G,
+                                is_weights_BT=otb_is_weights(step, prox, alg) if alg.otb_is_weights else None)
     adv_ST, returns_ST = adv_fns.estimate(x)
     keep, scale, stats = rollout_correction(step, prox, alg) if (alg.rollout_rs or alg.is_normalize) else (None, None, {})
     return Targets(step.flat(adv_ST), prox, ref_N, step.flat(returns_ST) if returns_ST is not None else None,

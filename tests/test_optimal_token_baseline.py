@@ -91,3 +91,56 @@ def test_a_learner_step_with_the_optimal_token_baseline():
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     stats = policy_update(model, opt, step, plan, cfg, targets, 0, 1)
     assert torch.isfinite(torch.tensor(stats["loss"])) and stats["grad_norm"] > 0
+
+
+def test_is_weights_scale_each_tokens_energy_by_rho_squared():
+    # Three samples of one prompt, each token's energy w = 1 - 2 pi + sum pi^2 = 0.5 (pi = 0.5, sum = 0.5).
+    mask = torch.ones(3, 2, dtype=F64)
+    scores = torch.tensor([1.0, 0.0, 0.0], dtype=F64)
+    logp = torch.full((3, 2), torch.log(torch.tensor(0.5, dtype=F64)).item(), dtype=F64)
+    pi2 = torch.full((3, 2), 0.5, dtype=F64)
+    plain = optimal_token_baseline(scores, mask, logp, pi2, group_size=3, eps=0.0)
+    ones = optimal_token_baseline(scores, mask, logp, pi2, group_size=3, eps=0.0, is_weights_BT=torch.ones(3, 2))
+    assert torch.equal(plain, ones)
+    # rho = [[2, 2], [1, 1], [1, 0]]: energies 0.5 rho^2 -> W0 = [2, 4], W1 = [0.5, 1], W2 = [0.5, 0.5].
+    # B_0 = (1 * 2) / 3 = 2/3, B_1 = (1 * 4) / 5.5 = 8/11.
+    rho = torch.tensor([[2.0, 2.0], [1.0, 1.0], [1.0, 0.0]], dtype=F64)
+    adv = optimal_token_baseline(scores, mask, logp, pi2, group_size=3, eps=0.0, is_weights_BT=rho)
+    b = torch.tensor([2 / 3, 8 / 11], dtype=F64)
+    assert torch.allclose(adv, scores[:, None] - b[None, :], atol=1e-12)
+
+
+def test_a_learner_step_with_is_weighted_optimal_token_baseline():
+    from asyncrl.losses import behaviour_weight_tis
+
+    model = tiny_lm()
+    groups = ragged_groups(4, seed=3)
+    cfg = load_config(None, ["algorithm.advantage=optimal_token_baseline", "algorithm.otb_is_weights=true",
+                             "algorithm.is_cap=1.5"])
+    step = build_step(groups, "cpu")
+    plan = plan_for(step, cfg)
+    targets = batch_targets(model, step, plan, cfg)
+    logp_N, pi2_N = logprobs_sum_pi2_N(model, step, rank_micro_batches(plan, 0), cfg, 0)
+    mask = step.grid(torch.ones(step.num_tokens))
+    rho = behaviour_weight_tis(step.grid(logp_N), step.grid(step.behav_N.float()), 1.5) * mask
+    assert (rho < 1.5).any() and (rho[mask.bool()] != 1).any()  # the weights are not all one
+    x = AdvantageInputs(step.rewards_S.float().view(-1, step.group_size), mask, cfg.algorithm,
+                        logp_BT=step.grid(logp_N), sum_pi2_BT=step.grid(pi2_N), is_weights_BT=rho)
+    assert torch.allclose(targets.adv_N, step.flat(estimate(x)[0]), atol=1e-6)
+    unweighted = batch_targets(model, step, plan, load_config(None, ["algorithm.advantage=optimal_token_baseline"]))
+    assert not torch.allclose(targets.adv_N, unweighted.adv_N, atol=1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stats = policy_update(model, opt, step, plan, cfg, targets, 0, 1)
+    assert torch.isfinite(torch.tensor(stats["loss"])) and stats["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algorithm.otb_is_weights=true"], "algorithm.advantage=optimal_token_baseline"),
+    (["algorithm.otb_is_weights=true", "algorithm.advantage=optimal_token_baseline", "algorithm.loss=ppo"],
+     "algorithm.loss=ppo does not have"),
+])
+def test_is_weighted_otb_config_errors_name_the_fix(overrides, needle):
+    from asyncrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
