@@ -29,11 +29,18 @@ def cmd_submit_slurm(args, load) -> int:
 
 def cmd_submit_ray(args, load) -> int:
     cfg = load(args)
-    from asyncrl.deploy_ray import submit_ray
+    from asyncrl.deploy_ray import ROLES, parse_resources, submit_ray
 
     num = cfg.generator.num_generators if args.generators is None else args.generators
+    resources = {}
+    for role in ROLES:
+        try:
+            resources[role] = parse_resources(getattr(args, f"{role}_resources"))
+        except ValueError as e:
+            print(f"asyncrl submit ray: --{role}-resources: {e}", file=sys.stderr)
+            return 2
     return submit_ray(cfg, args.address, num, cpus_per_role=args.cpus_per_role, gpus_per_node=args.gpus_per_node,
-                      learner_nodes=args.learner_nodes, wait=not args.no_wait)
+                      learner_nodes=args.learner_nodes, wait=not args.no_wait, resources=resources)
 
 
 def cmd_scale(args, load) -> int:
@@ -84,6 +91,10 @@ def add_deploy_commands(sub, add_config_args, load) -> None:
     r.add_argument("--learner-nodes", type=int, default=1)
     r.add_argument("--gpus-per-node", type=int, default=0)
     r.add_argument("--cpus-per-role", type=float, default=1.0, help="CPUs each role's bundle reserves")
+    for role in ("core", "learner", "generator"):
+        r.add_argument(f"--{role}-resources", default="", metavar="JSON",
+                       help=f"custom Ray resources each {role} bundle also reserves, e.g. '{{\"{role}_node\": 1}}': "
+                            f"only nodes started with `ray start --resources` holding them take the {role}")
     r.add_argument("--no-wait", action="store_true", help="submit and return (default: stream logs until done)")
     r.set_defaults(fn=lambda a: cmd_submit_ray(a, load))
 

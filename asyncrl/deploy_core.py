@@ -30,7 +30,9 @@ LEAVE_GRACE_S = 60.0  # after the buffer left: time for generators to drain befo
 RAY_LINGER_S = 240.0  # backend ray: after that, Redis waits this long at most for the driver's SIGTERM
 
 
-def wait_redis_url(run_dir: Path, timeout_s: float = 600.0) -> str:
+def wait_redis_url(run_dir: Path, timeout_s: float = 600.0, exit_code=None) -> str:
+    """The address the core published; `exit_code()` (the core's exit code, None while it runs) ends
+    the wait at once when the core died before publishing."""
     from asyncrl.security import redis_url_file
 
     f = redis_url_file(run_dir)
@@ -38,6 +40,9 @@ def wait_redis_url(run_dir: Path, timeout_s: float = 600.0) -> str:
     while time.monotonic() < deadline:
         if f.exists() and (url := f.read_text().strip()):
             return url
+        if exit_code is not None and (code := exit_code()) is not None:
+            raise RuntimeError(f"the core (Redis + buffer) exited with {code} before publishing the run's Redis "
+                               "address; its log says why")
         time.sleep(0.5)
     raise TimeoutError(f"the run's Redis address did not appear in {f} within {timeout_s:.0f}s: "
                        "is the core job (Redis + buffer) running?")
@@ -62,7 +67,7 @@ def _wait_generators_left(client, keys, stopping: list) -> None:
     time.sleep(2.0)  # the last leaver's final Redis calls
 
 
-def run_core(config_path: str, backend: str) -> int:
+def run_core(config_path: str, backend: str, overrides: list[str] | None = None) -> int:
     from asyncrl.affinity import check_available, cpus_of
     from asyncrl.cli import _setup_logging
     from asyncrl.config import load_config
@@ -71,7 +76,8 @@ def run_core(config_path: str, backend: str) -> int:
     from asyncrl.redis_server import LocalRedis
     from asyncrl.security import advertised_host, redis_password, redis_url_file, set_redis_password_file
 
-    cfg = load_config(config_path)
+    overrides = list(overrides or [])
+    cfg = load_config(config_path, overrides)
     _setup_logging(cfg.logging.level)
     set_redis_password_file(cfg.deploy.redis_password_file)
     check_available(cfg, ("buffer",))
@@ -83,8 +89,12 @@ def run_core(config_path: str, backend: str) -> int:
         if (run_dir / "metrics.jsonl").exists():
             (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{int(time.time())}.jsonl")
     host = cfg.deploy.bind_host
-    if host not in ("127.0.0.1", "localhost") and not cfg.deploy.redis_password_file:
-        log.warning("Redis bound to %s without deploy.redis_password_file: anyone on that network can use it", host)
+    if host not in ("127.0.0.1", "localhost", "::1") and not cfg.deploy.redis_password_file:
+        # redis-server's protected mode refuses every non-loopback client of a server without a
+        # password: no generator or learner on another node could use it.
+        print(f"asyncrl core: deploy.bind_host={host} needs deploy.redis_password_file (redis-server refuses "
+              "other hosts without a password; `asyncrl keys token --out FILE` makes one)", file=sys.stderr, flush=True)
+        return 2
     redis = LocalRedis(run_dir / "redis", appendfsync=cfg.buffer.appendfsync, password=redis_password(),
                        host=host, cpus=cpus_of(cfg, "buffer")).start()  # the buffer pins itself
     url = f"redis://{advertised_host(host, cfg.deploy.advertise_host)}:{redis.port}/0"
@@ -97,7 +107,8 @@ def run_core(config_path: str, backend: str) -> int:
     tmp.replace(url_file)  # atomic: readers never see half an address
     log.info("core up: redis=%s run_dir=%s backend=%s", url, run_dir, backend)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    buffer = subprocess.Popen([sys.executable, "-m", "asyncrl", "buffer", config_path, f"buffer.redis_url={url}"],
+    buffer = subprocess.Popen([sys.executable, "-m", "asyncrl", "buffer", config_path, *overrides,
+                               f"buffer.redis_url={url}"],
                               stdout=open(run_dir / "logs" / "buffer.log", "ab"), stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     stopping = []
@@ -135,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("core")
     c.add_argument("config")
+    c.add_argument("overrides", nargs="*", help="dotted overrides (the Ray driver's: the node's own bind address)")
     c.add_argument("--backend", choices=["slurm", "ray"], required=True)
     w = sub.add_parser("wait-redis", help="print the run's Redis address once the core job published it")
     w.add_argument("run_dir")
     w.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.cmd == "core":
-        return run_core(args.config, args.backend)
+        return run_core(args.config, args.backend, args.overrides)
     print(wait_redis_url(Path(args.run_dir), args.timeout))
     return 0
 

@@ -14,6 +14,7 @@ Ray nodes share, as with Slurm). The driver:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -32,8 +33,41 @@ REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "asyncrl"
 
 
+ROLES = ("core", "learner", "generator")  # the roles whose bundles `--{role}-resources` can steer
+
+
+def _sum_resources(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for extra, count in parts:
+        for k, v in extra.items():
+            total[k] = total.get(k, 0.0) + v * count
+    return total
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """`--{core,learner,generator}-resources`: a JSON object of custom Ray resource names to positive amounts
+    (CPU and GPU have options of their own); ValueError with one line otherwise."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f'expected an object like {{"inference": 1}}, got {text!r}')
+    out = {}
+    for name, amount in value.items():
+        if name in ("CPU", "GPU"):
+            raise ValueError(f"{name} is set by --cpus-per-role / --gpus-per-node, not here")
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount > 0:
+            raise ValueError(f"{name!r} must be a positive number, got {amount!r}")
+        out[str(name)] = float(amount)
+    return out
+
+
 def submit_ray(cfg, address: str, num_generators: int, cpus_per_role: float = 1.0, gpus_per_node: int = 0,
-               learner_nodes: int = 1, wait: bool = True) -> int:
+               learner_nodes: int = 1, wait: bool = True, resources: dict[str, dict[str, float]] | None = None) -> int:
+    """`resources`: role ("core", "learner", "generator") -> custom Ray resources its bundles also reserve."""
     from asyncrl.config import dump_yaml
 
     exe = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
@@ -50,6 +84,9 @@ def submit_ray(cfg, address: str, num_generators: int, cpus_per_role: float = 1.
     argv += ["--", sys.executable, str(REPO / "deploy" / "ray_driver.py"), str(config_path),
              "--generators", str(num_generators), "--cpus-per-role", str(cpus_per_role),
              "--gpus-per-node", str(gpus_per_node), "--learner-nodes", str(learner_nodes)]
+    for role, extra in (resources or {}).items():
+        if extra:
+            argv += [f"--{role}-resources", json.dumps(extra)]
     print("asyncrl submit ray:", " ".join(argv), file=sys.stderr, flush=True)
     res = subprocess.run(argv, cwd=REPO)
     return res.returncode
@@ -200,6 +237,23 @@ def shortfall(needs: dict[str, float], cluster: dict[str, float]) -> str | None:
     return f"the run needs {_fmt({k: v for k, v in needs.items() if v})}; the cluster has {_fmt(has)}"
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::")
+
+
+def node_bind_overrides(cfg: Config, ip: str) -> list[str]:
+    """Where a role that Ray placed listens. Ray picks the node, so an interface address named in the
+    config can be right on one node only: it becomes the role's own node's address as Ray knows it
+    (`ray start --node-ip-address`). Loopback stays (a one-node cluster); a wildcard stays and
+    publishes the node's address, unless deploy.advertise_host names one."""
+    out = [f"{key}={ip}" for key, host in (("deploy.bind_host", cfg.deploy.bind_host),
+                                            ("buffer.bind_host", cfg.buffer.bind_host))
+           if host not in LOOPBACK and host not in WILDCARD]
+    if not cfg.deploy.advertise_host and any(h in WILDCARD for h in (cfg.deploy.bind_host, cfg.buffer.bind_host)):
+        out.append(f"deploy.advertise_host={ip}")
+    return out
+
+
 def learner_argv(cfg: Config, num_nodes: int, head: str, port: int, config_path: str, redis_url: str) -> list[str]:
     """One learner node's torchrun, through asyncrl.listen: the rendezvous store listens on `head`
     only (loopback on one node, the node's address as Ray knows it otherwise), not on every interface."""
@@ -211,7 +265,7 @@ def learner_argv(cfg: Config, num_nodes: int, head: str, port: int, config_path:
 
 class RayDriver:
     def __init__(self, config_path: str, num_generators: int, cpus_per_role: float, gpus_per_node: int,
-                 learner_nodes: int):
+                 learner_nodes: int, resources: dict[str, dict[str, float]] | None = None):
         import ray
 
         from asyncrl.config import load_config
@@ -220,6 +274,8 @@ class RayDriver:
         self.config_path = config_path
         self.cfg = load_config(config_path)
         self.cpus, self.gpus, self.learner_nodes = cpus_per_role, gpus_per_node, learner_nodes
+        # role -> custom Ray resources of each of its bundles (`--{role}-resources`): which nodes may hold it
+        self.resources = {role: dict((resources or {}).get(role) or {}) for role in ROLES}
         self.Actor = _role_actor_class()
         self.generators: dict[str, tuple] = {}  # id -> (actor, placement group)
         self.draining: set[str] = set()
@@ -231,7 +287,9 @@ class RayDriver:
         """What the whole run asks of the cluster: the core, the learner nodes and the generators."""
         gen_gpus = self.cfg.generator.tensor_parallel_size if self.gpus else 0
         return {"CPU": self.cpus * (1 + self.learner_nodes + self.num_generators),
-                "GPU": float(self.gpus * self.learner_nodes + gen_gpus * self.num_generators)}
+                "GPU": float(self.gpus * self.learner_nodes + gen_gpus * self.num_generators),
+                **_sum_resources([(self.resources["core"], 1), (self.resources["learner"], self.learner_nodes),
+                                  (self.resources["generator"], self.num_generators)])}
 
     def _place(self, bundles: list[dict], strategy: str = "PACK"):
         """A placement group, ready within PLACE_TIMEOUT_S; else PlacementTimeout, saying what is free."""
@@ -242,7 +300,8 @@ class RayDriver:
             self.ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
         except self.ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
-            free = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
+            wanted = {k for b in bundles for k in b}
+            free = {k: v for k, v in self.ray.available_resources().items() if k in wanted}
             raise PlacementTimeout(f"bundles {bundles} ({strategy}) could not be placed within {PLACE_TIMEOUT_S:.0f}s; "
                                    f"the cluster has free {_fmt(free)}") from None
         return pg
@@ -255,14 +314,19 @@ class RayDriver:
                                   num_cpus=self.cpus, num_gpus=0, scheduling_strategy=strategy,
                                   lifetime=None).remote(name, argv, env or {})
 
-    def _bundle(self, gpus: int = 0) -> dict:
-        return {"CPU": self.cpus, **({"GPU": gpus} if gpus else {})}
+    def _bundle_ip(self, pg, bundle: int = 0) -> str:
+        """The address (as Ray knows it) of the node that holds bundle `bundle` of a ready placement group."""
+        node_id = self.ray.util.placement_group_table(pg)["bundles_to_node_id"][bundle]
+        return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
+
+    def _bundle(self, gpus: int = 0, extra: dict[str, float] | None = None) -> dict:
+        return {"CPU": self.cpus, **({"GPU": gpus} if gpus else {}), **(extra or {})}
 
     def start_generator(self) -> str:
         gid = f"g{self._next}"
         self._next += 1
         gpus = self.cfg.generator.tensor_parallel_size if self.gpus else 0
-        pg = self._place([self._bundle(gpus)])
+        pg = self._place([self._bundle(gpus, self.resources["generator"])])
         argv = [sys.executable, "-m", "asyncrl", "generator", self.config_path, f"buffer.redis_url={self.redis_url}",
                 "--id", gid]
         self.generators[gid] = (self._actor(f"gen-{gid}", argv, pg), pg)
@@ -283,12 +347,18 @@ class RayDriver:
                   flush=True)
             return 2
         redis_url_file(cfg.run_dir).unlink(missing_ok=True)
-        core_pg = self._place([self._bundle()])
+        core_pg = self._place([self._bundle(0, self.resources["core"])])
         core = self._actor("core", [sys.executable, "-m", "asyncrl.deploy_core", "core", self.config_path,
-                                    "--backend", "ray"], core_pg)
-        self.redis_url = wait_redis_url(cfg.run_dir)
+                                    *node_bind_overrides(cfg, self._bundle_ip(core_pg)), "--backend", "ray"], core_pg)
+        try:
+            self.redis_url = wait_redis_url(cfg.run_dir, exit_code=lambda: self.ray.get(core.poll.remote(), timeout=30))
+        except (RuntimeError, TimeoutError) as e:
+            print(f"asyncrl ray driver: {e}", file=sys.stderr, flush=True)
+            self.ray.kill(core, no_restart=True)
+            self.ray.util.remove_placement_group(core_pg)  # its CPUs are free at once, not at the job's end
+            return 1
         client, keys = connect(self.redis_url), Keys(cfg.run.name)
-        learner_pg = self._place([self._bundle(self.gpus)] * self.learner_nodes,
+        learner_pg = self._place([self._bundle(self.gpus, self.resources["learner"])] * self.learner_nodes,
                                  "STRICT_SPREAD" if self.learner_nodes > 1 else "PACK")
         learners = self._start_learner(learner_pg)
         for _ in range(self.num_generators):
@@ -333,19 +403,14 @@ class RayDriver:
 
     def _start_learner(self, pg) -> list:
         cfg = self.cfg
-        if self.learner_nodes == 1:
-            head, port = "127.0.0.1", None
-        else:
-            probe = self._actor("learner-probe", [sys.executable, "-c", "pass"], pg, 0)
-            head = self.ray.get(probe.ip.remote())
-            self.ray.kill(probe, no_restart=True)
-            port = None
+        head = "127.0.0.1" if self.learner_nodes == 1 else self._bundle_ip(pg, 0)
         from asyncrl.redis_server import free_port
 
-        port = port or free_port()
+        port = free_port()
         actors = []
         for node in range(self.learner_nodes):
             argv = learner_argv(cfg, self.learner_nodes, head, port, self.config_path, self.redis_url)
+            argv += node_bind_overrides(cfg, self._bundle_ip(pg, node))
             # Ray restarts actors; a learner rank restarted alone cannot rejoin torchrun's group.
             actors.append(self._actor(f"learner-{node}", argv, pg, node))
         return actors
@@ -407,10 +472,13 @@ def driver_main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus-per-role", type=float, default=1.0)
     p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--learner-nodes", type=int, default=1)
+    for role in ROLES:
+        p.add_argument(f"--{role}-resources", default="")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ray.init(address="auto", namespace=NAMESPACE, log_to_driver=True)
-    driver = RayDriver(args.config, args.generators, args.cpus_per_role, args.gpus_per_node, args.learner_nodes)
+    driver = RayDriver(args.config, args.generators, args.cpus_per_role, args.gpus_per_node, args.learner_nodes,
+                       {role: parse_resources(getattr(args, f"{role}_resources")) for role in ROLES})
     from asyncrl.security import set_redis_password_file
 
     set_redis_password_file(driver.cfg.deploy.redis_password_file)

@@ -24,7 +24,7 @@ from torch import nn
 
 from asyncrl import advantages as adv_fns
 from asyncrl import kl as kl_fns
-from asyncrl import losses
+from asyncrl import losses, torch_private
 from asyncrl import rollout_correction as rc
 from asyncrl.algorithms import aggregate_normalised
 from asyncrl.registry import ADVANTAGES
@@ -206,11 +206,11 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     if not (plain_ok or sharded_ok):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     local = [g.to_local() for g in dts] if dts else grads
-    sq = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
+    sq = torch.stack(torch_private.foreach_norm(local, 2.0)).float().pow(2).sum()
     if dts and mesh.size() > 1:
         dist.all_reduce(sq, group=mesh.get_group())
     total = sq.sqrt()
-    torch._foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0).to(local[0].dtype))
+    torch_private.foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0).to(local[0].dtype))
     return total
 
 

@@ -303,3 +303,109 @@ def test_a_weight_store_bound_to_all_interfaces_publishes_a_reachable_address():
     assert security.advertised_host("10.231.0.1") == "10.231.0.1"
     assert security.advertised_host("0.0.0.0", "node-a.cluster") == "node-a.cluster"
     assert load_config(None, ["deploy.advertise_host=10.231.0.1"]).deploy.advertise_host == "10.231.0.1"
+
+
+def test_ray_roles_bind_the_address_of_the_node_ray_placed_them_on():
+    from asyncrl.deploy_ray import node_bind_overrides
+
+    assert node_bind_overrides(load_config(None, []), "10.231.0.2") == []  # loopback: one node
+    named = load_config(None, ["deploy.bind_host=10.231.0.1", "buffer.bind_host=10.231.0.1"])
+    assert node_bind_overrides(named, "10.231.0.2") == ["deploy.bind_host=10.231.0.2", "buffer.bind_host=10.231.0.2"]
+    wild = load_config(None, ["deploy.bind_host=0.0.0.0", "buffer.bind_host=0.0.0.0"])
+    assert node_bind_overrides(wild, "10.231.0.2") == ["deploy.advertise_host=10.231.0.2"]
+    told = load_config(None, ["deploy.bind_host=0.0.0.0", "deploy.advertise_host=node-b"])
+    assert node_bind_overrides(told, "10.231.0.2") == []
+
+
+@pytest.mark.slow
+def test_ray_cluster_across_namespaces(hosts, tmp_path, tiny_model, record_property):
+    """A Ray head in A and a worker in B (`ray start --address` across the link), each with a custom
+    resource of its own; `asyncrl submit ray` from A places the learner on A and the core and the
+    generator on B (`--{role}-resources`). The config names A's address as the bind address: the core
+    binds B's instead (the node Ray gave it), the learner reaches Redis on B and the generator the
+    weight group on A, only through the nodes' addresses; the run trains its steps with every weight
+    sync verified. Without a Redis password the core refuses to bind a non-loopback interface: one
+    line, the job ends at once."""
+    import shutil
+    import tempfile
+
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'asyncrl[ray]')")
+    ray_exe = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    a, b = hosts.addr("a"), hosts.addr("b")
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # Ray's socket paths must stay short
+    password = tmp_path / "redis.pw"
+    password.write_text(secrets.token_urlsafe(24))
+    password.chmod(0o600)
+    gcs_port, dashboard_port = 6380, 8265
+
+    def ray_start(host, *args):
+        res = subprocess.run(hosts.argv(host, [ray_exe, "start", f"--node-ip-address={hosts.addr(host)}",
+                                               "--disable-usage-stats", f"--temp-dir={temp / host}", *args]),
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+    def submit(name, *extra):
+        argv = [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
+                f"model.path={tiny_model}", f"run.name={name}", "run.max_steps=4", "learner.nproc=1",
+                "generator.backend=hf", "generator.max_tokens=16", "run.stall_timeout_s=0",
+                f"deploy.bind_host={a}", f"buffer.bind_host={a}", *extra,
+                "--address", f"http://{a}:{dashboard_port}", "--generators", "1", "--cpus-per-role", "1",
+                "--core-resources", '{"host_b": 1}', "--learner-resources", '{"host_a": 1}',
+                "--generator-resources", '{"host_b": 1}']
+        t0 = time.monotonic()
+        res = subprocess.run(hosts.argv("a", argv), capture_output=True, text=True, timeout=900, cwd=REPO)
+        return res.returncode, res.stdout + res.stderr, time.monotonic() - t0
+
+    def placed(out):
+        """role -> the node its actor ran on (Ray marks the lines of actors on other nodes with ip=)."""
+        where = {}
+        for line in out.splitlines():
+            m = re.search(r"\[(core|learner-0|gen-g0)\] started pid", line)
+            if m:
+                where[m.group(1)] = b if f"ip={b}" in line else a
+        return where
+
+    t0 = time.monotonic()
+    try:
+        ray_start("a", "--head", f"--port={gcs_port}", "--num-cpus=1", '--resources={"host_a": 1}',
+                  "--include-dashboard=true", f"--dashboard-host={a}", f"--dashboard-port={dashboard_port}")
+        ray_start("b", f"--address={a}:{gcs_port}", "--num-cpus=2", '--resources={"host_b": 2}')
+        cluster_up_s = time.monotonic() - t0
+
+        code, out, run_s = submit("rayab", f"deploy.redis_password_file={password}")
+        assert code == 0 and "learner exited with 0" in out, out[-6000:]
+        where = placed(out)
+        assert where == {"core": b, "learner-0": a, "gen-g0": b}, (where, out[-4000:])
+        for role in ("learner-0", "gen-g0"):  # Redis is published at the core's node's address, B's
+            line = next(x for x in out.splitlines() if f"[{role}] started" in x)
+            assert f"buffer.redis_url=redis://{b}:" in line, line
+        rows = _rows(tmp_path / "runs" / "rayab" / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["generators_in_batch"] == ["g0"] for r in rows)
+        assert rows[-1]["weights_mismatch"] == 0 and rows[-1]["weights_verified"] >= 3, rows[-1]
+
+        code, refused, refused_s = submit("raynopw")
+        assert code != 0 and "needs deploy.redis_password_file" in refused, refused[-4000:]
+        assert "exited with 2 before publishing" in refused, refused[-4000:]
+    finally:
+        subprocess.run(hosts.argv("b", [ray_exe, "stop", "--force"]), capture_output=True, timeout=120)
+        subprocess.run(hosts.argv("a", [ray_exe, "stop", "--force"]), capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+    timings = {"ray_cluster_up_s": round(cluster_up_s, 1), "ray_run_4_steps_s": round(run_s, 1),
+               "ray_roles_on": where, "ray_refused_without_password_s": round(refused_s, 1)}
+    print("ray across namespaces:", json.dumps(timings))
+    for k, v in timings.items():
+        record_property(k, v)
+
+
+def test_generator_resources_option_is_checked_with_one_line():
+    from asyncrl.deploy_ray import parse_resources
+
+    assert parse_resources("") == {} and parse_resources('{"host_b": 1}') == {"host_b": 1.0}
+    for bad, needle in (("{", "not JSON"), ("[1]", "expected an object"), ('{"CPU": 1}', "--cpus-per-role"),
+                        ('{"x": 0}', "positive"), ('{"x": "1"}', "positive"), ('{"x": true}', "positive")):
+        with pytest.raises(ValueError, match=needle):
+            parse_resources(bad)
+    res = subprocess.run([sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", "--address",
+                          "http://127.0.0.1:1", "--generator-resources", "{"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "not JSON" in res.stderr, res.stderr
