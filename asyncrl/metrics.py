@@ -16,8 +16,12 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.config import Config, to_dict
+
+if TYPE_CHECKING:
+    from asyncrl.schema import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -153,26 +157,17 @@ def oldest_undelivered_age_s(client, keys) -> float:
     return max(time.time() - ms / 1000.0, 0.0)
 
 
-def generator_infos(client, keys) -> list[dict[str, str]]:
-    out = []
-    for key in client.scan_iter(keys.gen_pattern, count=1000):
-        info = client.hgetall(key)
-        if info:
-            out.append({k.decode(): v.decode() for k, v in info.items()})
-    return sorted(out, key=lambda g: g.get("id", ""))
+def fleet_metrics(client, keys, fleet: dict[str, Heartbeat] | None = None) -> dict[str, float]:
+    """`gen/{id}/{field}` for every live generator and `buffer/{field}` from the buffer's hash.
+    `fleet`: a heartbeat snapshot the caller already read (asyncrl/fleet.py); read here when None."""
+    from asyncrl.fleet import read_fleet
 
-
-def fleet_metrics(client, keys) -> dict[str, float]:
-    """`gen/{id}/{field}` for every live generator and `buffer/{field}` from the buffer's hash."""
+    fleet = read_fleet(client, keys) if fleet is None else fleet
     row: dict[str, float] = {}
-    idle = []
-    for info in generator_infos(client, keys):
-        gid = info.get("id", "?")
+    for gid, hb in sorted(fleet.items()):
         for field in ("version", "tokens_per_s", "idle_ratio", "idle_s", "tokens", "groups", "sync_s_total"):
-            if (v := _num(info.get(field))) is not None:
-                row[f"gen/{gid}/{field}"] = v
-        if (v := _num(info.get("idle_ratio"))) is not None:
-            idle.append(v)
+            row[f"gen/{gid}/{field}"] = float(getattr(hb, field))
+    idle = [hb.idle_ratio for hb in fleet.values()]
     row["gen_idle_ratio_mean"] = sum(idle) / len(idle) if idle else 0.0
     for k, v in client.hgetall(keys.metrics).items():
         name = k.decode()
@@ -236,13 +231,14 @@ class LearnerObservability:
         self.exporter = start_exporter(cfg, "learner", client=client, keys=keys)
         self.groups_trained = 0
 
-    def on_step(self, row: dict, rewards: list[float]) -> None:
+    def on_step(self, row: dict, rewards: list[float], fleet: dict[str, Heartbeat] | None = None) -> None:
+        """`fleet`: the step's heartbeat snapshot (asyncrl/fleet.py), read here when None."""
         self.groups_trained += int(row.get("num_groups", 0))
         dropped = int(row.get("dropped_stale", 0))
         row.update(reward_stats(rewards))
         row["dropped_frac"] = dropped / max(dropped + self.groups_trained, 1)
         row.setdefault("masked_frac", 0.0)  # the decoupled-PPO loss masks no token
-        row.update(fleet_metrics(self.client, self.keys))
+        row.update(fleet_metrics(self.client, self.keys, fleet))
         # /metrics and the lag history first, the files last: whoever has read a step's jsonl row then
         # finds that step everywhere else too (a scrape between the two read the step before: CI's
         # observed-run test).

@@ -32,7 +32,7 @@ def settings(generator_cfg) -> dict:
 
 
 def heartbeat_fields(generator_cfg) -> dict:
-    """Heartbeat hash fields (`sampling_temperature`, ...) a generator reports."""
+    """The heartbeat's fields (`sampling_temperature`, ...: asyncrl/schema.py `Heartbeat`) a generator reports."""
     return {f"sampling_{k}": v for k, v in settings(generator_cfg).items()}
 
 
@@ -65,15 +65,16 @@ async def check_generator(redis, keys: Keys, generator_cfg, generator_id: str) -
 
 def check_fleet(client, keys: Keys, generator_cfg) -> None:
     """The learner at start: raises SamplingMismatch when a live generator reports other settings."""
+    from asyncrl.fleet import read_fleet
+
     have = settings(generator_cfg)
     bad = []
-    for key in client.scan_iter(keys.gen_pattern, count=1000):
-        info = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
-        reported = {k: info.get(f"sampling_{k}") for k in FIELDS}
+    for gid, hb in sorted(read_fleet(client, keys).items()):
+        reported = {k: getattr(hb, f"sampling_{k}") for k in FIELDS}
         if None in reported.values():
             continue  # heartbeat from a generator that does not report its settings (older build)
         if _differs(reported, have):
-            bad.append(f"{info.get('id', key)} ({_describe(reported)})")
+            bad.append(f"{gid} ({_describe(reported)})")
     if bad:
         raise SamplingMismatch(
             f"learner refuses to start: it is configured with {_describe(have)} but live generators sample "

@@ -15,7 +15,7 @@ import numpy as np
 
 # 2: every weight broadcast ends in an all-reduce that each member joins (asyncrl/weight_sync.py
 # `_all_received`). Generators report theirs in their heartbeat; the learner leaves generators of
-# another version out of its weight groups (learners/trainer.py `_admitted`).
+# another version out of its weight groups (asyncrl/fleet.py `admitted`).
 SCHEMA_VERSION = 2
 
 I32 = np.dtype("<i4")
@@ -318,3 +318,65 @@ def validate_for_run(group: TrajectoryGroup, limits: RunLimits) -> None:
                              f"{limits.max_tokens} / generator.max_model_len {limits.max_model_len}")
         if vocab is not None and int(ids.max()) >= vocab:
             raise FrameError("token_id", f"sample {i} token id {int(ids.max())} >= vocabulary size {vocab}")
+
+
+# ---- generator heartbeat ---------------------------------------------------------------------------
+
+
+class Heartbeat(msgspec.Struct):
+    """What a generator publishes about itself every `generator.heartbeat_s`, as the Redis hash
+    `gen:{id}` with a TTL (generator.heartbeat_ttl_s): the learner forms weight groups from these
+    and verifies the weights they report; metrics, status, the watchdog and the sampling check read
+    them too (asyncrl/fleet.py `read_fleet`).
+
+    A hash, not a frame, so that `redis-cli HGETALL` reads it: every value is a string there,
+    `checksums` comma-joined. Every field but `id` has a default, so a heartbeat written by an older
+    generator (or forged by a test with a few fields) parses; one without `schema_version` is
+    version 1, which reported none."""
+
+    id: str
+    state: str = ""  # waiting_weights | generating | syncing | draining
+    version: int = -1  # the policy version it holds; -1: none
+    epoch: int = -1  # the weight-group epoch it is a member of; -1: none
+    workers: int = 1  # vLLM workers, one weight-group member `{id}.{rank}` each
+    tokens: int = 0  # completion tokens of the groups it pushed
+    baseline_tokens: int = 0  # of the greedy completions behind algorithm.advantage=remax
+    groups: int = 0
+    tokens_per_s: float = 0.0  # over the last 30 s
+    idle_ratio: float = 0.0
+    idle_s: float = 0.0
+    reward_errors: int = 0
+    sync_s_total: float = 0.0
+    last_pause_s: float = 0.0
+    num_syncs: int = 0
+    sampling_temperature: float | None = None  # asyncrl/sampling.py; None from a build that reports none
+    sampling_top_p: float | None = None
+    sampling_top_k: int | None = None
+    checksums: list[int] = msgspec.field(default_factory=list)  # of the buckets of `version` it received
+    pid: int | None = None
+    host: str = ""
+    updated_at: float = 0.0  # wall-clock seconds
+    schema_version: int = 1
+    token_proof: str = ""  # asyncrl/security.py token_proof; empty in a run without a run token
+
+    def to_hash(self) -> dict[str, str | int | float]:
+        """The Redis hash mapping: unset optional fields are left out, checksums comma-joined."""
+        out = {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+        out["checksums"] = ",".join(map(str, self.checksums))
+        if not self.token_proof:
+            del out["token_proof"]
+        return out
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> Heartbeat:
+        """Parses one `HGETALL` reply; raises FrameError("heartbeat", ...) on a malformed one.
+        Fields it does not know (from a newer generator) are ignored."""
+        try:
+            fields = {k.decode(): v.decode() for k, v in raw.items()}
+            fields["checksums"] = [x for x in fields.get("checksums", "").split(",") if x]
+            hb = msgspec.convert(fields, cls, strict=False)
+        except (UnicodeDecodeError, msgspec.ValidationError) as e:
+            raise FrameError("heartbeat", str(e)) from None
+        if not hb.id:
+            raise FrameError("heartbeat", "no id")
+        return hb

@@ -27,20 +27,19 @@ def _num(value, default=None):
 
 
 def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, num_events: int = 15) -> dict:
+    from asyncrl.fleet import read_fleet
     from asyncrl.keys import PROMPT_GROUP
-    from asyncrl.metrics import generator_infos, oldest_undelivered_age_s
+    from asyncrl.metrics import oldest_undelivered_age_s
     from asyncrl.store import group_lag
 
     now = time.time()
     exporters = _dec(client.hgetall(keys.exporters))
     gens = []
-    for info in generator_infos(client, keys):
-        gid = info.get("id", "?")
-        gens.append({"id": gid, "state": info.get("state"), "version": int(_num(info.get("version"), -1)),
-                     "tokens_per_s": _num(info.get("tokens_per_s"), 0.0),
-                     "idle_ratio": _num(info.get("idle_ratio"), 0.0), "groups": int(_num(info.get("groups"), 0)),
-                     "heartbeat_age_s": now - _num(info.get("updated_at"), now), "pid": info.get("pid"),
-                     "host": info.get("host"), "metrics_url": exporters.get(f"generator:{gid}")})
+    for gid, hb in sorted(read_fleet(client, keys).items()):
+        gens.append({"id": gid, "state": hb.state, "version": hb.version, "tokens_per_s": hb.tokens_per_s,
+                     "idle_ratio": hb.idle_ratio, "groups": hb.groups,
+                     "heartbeat_age_s": now - (hb.updated_at or now), "pid": hb.pid, "host": hb.host,
+                     "metrics_url": exporters.get(f"generator:{gid}")})
     lh = _dec(client.hgetall(keys.learner))
     learner = {"step": int(_num(lh.get("step"), 0)), "version": int(_num(client.get(keys.version), 0)),
                "tokens_per_s": _num(lh.get("tokens_per_s"), 0.0), "idle_ratio": _num(lh.get("idle_ratio"), 0.0),

@@ -89,14 +89,15 @@ class Watchdog:
                 self.sync_done_at = _f(fields.get(b"t"), time.time())
             elif kind == b"learner_start":
                 self.learner_started_at = _f(fields.get(b"t"), time.time())
-        live = {}
-        for key in c.scan_iter(k.gen_pattern, count=1000):
-            info = {a.decode(): b.decode() for a, b in c.hgetall(key).items()}
-            if info.get("id"):
-                live[info["id"]] = info
-                self.seen[info["id"]] = info
-                if self.ready_at is None and int(_f(info.get("version"), -1)) >= 0:
-                    self.ready_at = now
+        import msgspec
+
+        from asyncrl.fleet import read_fleet
+
+        # The judging below works on field dicts (`seen` keeps those of generators gone since).
+        live = {gid: msgspec.structs.asdict(hb) for gid, hb in read_fleet(c, k).items()}
+        self.seen.update(live)
+        if self.ready_at is None and any(info["version"] >= 0 for info in live.values()):
+            self.ready_at = now
         last_traj = None
         try:
             last_id = c.xinfo_stream(k.trajectories)["last-generated-id"]
@@ -153,7 +154,7 @@ class Watchdog:
                 gone = gid not in live
                 why = ("its heartbeat key expired without a generator_leave: the process died or is frozen"
                        if gone else f"its heartbeat stopped updating (last state={info.get('state', '?')}, "
-                       f"pid={info.get('pid', '?')}): the process is frozen (SIGSTOP, a debugger) or blocked")
+                       f"pid={info.get('pid') or '?'}): the process is frozen (SIGSTOP, a debugger) or blocked")
                 stalls.append(Stall(f"generator:{gid}", "heartbeat", age, why + process_state(info)))
         for gid in sorted(self.expected - set(self.seen)):
             # Engine start-up (model load, vLLM warm-up) can take minutes: a generous bound before

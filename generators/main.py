@@ -136,18 +136,17 @@ class Generator:
         # tokens/s over the last 30 s (since start before that), not over one
         # heartbeat interval (the counter moves when a group finishes: most intervals would read 0)
         self._rate = self._rate_window.update({self.id: self.tokens}, now)
-        fields = {
-            "id": self.id, "state": self.state, "version": self.version, "epoch": self.epoch,
-            "workers": self.engine.num_workers, "tokens": self.tokens, "baseline_tokens": self.baseline_tokens,
-            "groups": self.groups,
-            "tokens_per_s": self._rate, "idle_ratio": self.idle_s / elapsed, "idle_s": round(self.idle_s, 3),
-            "reward_errors": self.reward_errors, "sync_s_total": self.sync_s_total,
-            "last_pause_s": self.last_pause_s, "num_syncs": self.num_syncs, **heartbeat_fields(self.cfg.generator),
-            "checksums": ",".join(map(str, self.last_checksums)), "pid": os.getpid(),
-            "host": socket.gethostname(), "updated_at": time.time(), "schema_version": schema.SCHEMA_VERSION,
-        }
+        proof = ""
         if (token := security.run_token(self.cfg)) is not None:  # the learner ignores generators without it
-            fields["token_proof"] = security.token_proof(token, self.id)
+            proof = security.token_proof(token, self.id)
+        fields = schema.Heartbeat(
+            id=self.id, state=self.state, version=self.version, epoch=self.epoch, workers=self.engine.num_workers,
+            tokens=self.tokens, baseline_tokens=self.baseline_tokens, groups=self.groups, tokens_per_s=self._rate,
+            idle_ratio=self.idle_s / elapsed, idle_s=round(self.idle_s, 3), reward_errors=self.reward_errors,
+            sync_s_total=self.sync_s_total, last_pause_s=self.last_pause_s, num_syncs=self.num_syncs,
+            **heartbeat_fields(self.cfg.generator), checksums=list(self.last_checksums), pid=os.getpid(),
+            host=socket.gethostname(), updated_at=time.time(), schema_version=schema.SCHEMA_VERSION,
+            token_proof=proof).to_hash()
         key = self.keys.gen(self.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)

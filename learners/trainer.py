@@ -16,6 +16,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from asyncrl import fleet as fleet_rules
 from asyncrl import schema
 from asyncrl.config import Config
 from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
@@ -275,9 +276,7 @@ class Learner:
         log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world,
                   resumed_from=self.resumed_from or "")
         self.unacked: list = []
-        self.synced: dict[int, list[int]] = {}  # version -> bucket checksums we broadcast
-        self.verified: set[tuple[str, int]] = set()
-        self.num_weights_verified = self.num_weights_mismatch = 0
+        self.weight_check = fleet_rules.WeightCheck()  # what we broadcast per version against what generators report
         self.dropped_zero_var = 0
         self._recover_pending()
 
@@ -313,42 +312,19 @@ class Learner:
             self.quarantine = Quarantine(self.client, self.keys, schema.RunLimits.from_config(self.cfg, vocab))
         return self.quarantine
 
-    def live_members(self) -> list[str]:
-        members = []
-        for key in self.client.scan_iter(self.keys.gen_pattern, count=1000):
-            info = self.client.hgetall(key)
-            if not info or info.get(b"state") in (b"draining",):
-                continue
-            gid = info[b"id"].decode()
-            if not self._admitted(gid, info):
-                continue
-            members += [f"{gid}.{r}" for r in range(int(info.get(b"workers", 1)))]
-        return sorted(members)
+    def read_fleet(self) -> dict[str, schema.Heartbeat]:
+        """One snapshot of the heartbeats (asyncrl/fleet.py): read once per decision and passed on."""
+        return fleet_rules.read_fleet(self.client, self.keys)
 
-    def _admitted(self, gid: str, info: dict) -> bool:
-        """A generator joins weight groups only with a valid run token (deploy.run_token_file,
-        asyncrl/security.py) and this learner's schema version: one speaking another (a node left on
-        an older install) would fail every sync it is in, and the learner re-formed epochs around it
-        forever. Each refusal is warned about once per generator and logged as an event."""
-        from asyncrl.security import proof_ok, run_token
+    def live_members(self, fleet: dict[str, schema.Heartbeat] | None = None) -> list[str]:
+        """The weight-group members of `fleet` (a fresh read when None) that asyncrl/fleet.py
+        admits; each refusal is warned about once per generator and logged as an event."""
+        if getattr(self, "admission", None) is None:  # built on first use
+            self.admission = fleet_rules.Admission(self.cfg, self.client, self.keys)
+        return fleet_rules.live_members(self.read_fleet() if fleet is None else fleet, self.admission)
 
-        speaks = info.get(b"schema_version", b"1")  # heartbeats of version 1 had no such field
-        if not proof_ok(run_token(self.cfg), gid, info.get(b"token_proof")):
-            why, kind = "presents no valid run token", "auth_refused"
-        elif speaks != str(schema.SCHEMA_VERSION).encode():  # as bytes: a bad value refuses, never raises
-            why = f"speaks schema version {speaks.decode(errors='replace')!r}, this learner {schema.SCHEMA_VERSION}"
-            kind = "schema_refused"
-        else:
-            return True
-        refused = self.__dict__.setdefault("_refused_generators", set())
-        if (gid, kind) not in refused:
-            refused.add((gid, kind))
-            log.warning("generator %s %s: ignored (not in any weight group)", gid, why)
-            log_event(self.client, self.keys, kind, id=gid)
-        return False
-
-    def fleet_needs_sync(self) -> bool:
-        return set(self.live_members()) != set(self.sender.members)
+    def fleet_needs_sync(self, fleet: dict[str, schema.Heartbeat] | None = None) -> bool:
+        return set(self.live_members(fleet)) != set(self.sender.members)
 
     def _read_groups(self, need: int) -> None:
         """Tops up self.pending through the reader (learners/reader.py: XREADGROUP, the staleness
@@ -426,8 +402,9 @@ class Learner:
             if self.version % self.cfg.weights.sync_every == 0:
                 sync_s = self.sync_weights()
             if self.rank == 0:
-                self.verify_fleet_weights()
-                self.after_step(groups, stats, sync_s)
+                fleet = self.read_fleet()  # one snapshot for the weight check and the step's fleet metrics
+                self.verify_fleet_weights(fleet)
+                self.after_step(groups, stats, sync_s, fleet)
                 self.unacked += self.batch_entries
             every = self.cfg.checkpoint.every
             if every == 0:
@@ -539,27 +516,12 @@ class Learner:
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return {**out, "tokens": float(step.num_tokens), "step_s": step_s}
 
-    def verify_fleet_weights(self) -> None:
-        """Each generator reports the version it holds and the checksums of the buckets it received;
-        they must equal what we sent for that version. A mismatch is an error event, not silence."""
-        for key in self.client.scan_iter(self.keys.gen_pattern, count=1000):
-            info = self.client.hgetall(key)
-            if not info:
-                continue
-            gid, version = info[b"id"].decode(), int(info.get(b"version", -1))
-            if version not in self.synced or (gid, version) in self.verified:
-                continue
-            got = [int(x) for x in info.get(b"checksums", b"").decode().split(",") if x]
-            self.verified.add((gid, version))
-            if got == self.synced[version]:
-                self.num_weights_verified += 1
-            else:
-                self.num_weights_mismatch += 1
-                log.error("generator %s reports version %d with checksums %s, learner sent %s", gid, version,
-                          got, self.synced[version])
-                self._event("weights_mismatch", id=gid, version=version)
-        for v in [v for v in self.synced if v < self.version - 4]:
-            del self.synced[v]
+    def verify_fleet_weights(self, fleet: dict[str, schema.Heartbeat]) -> None:
+        """The weights each generator reports holding must be the ones we sent for that version
+        (asyncrl/fleet.py `WeightCheck`). A mismatch is an error event, not silence."""
+        for gid, version, got, sent in self.weight_check.check(fleet, self.version):
+            log.error("generator %s reports version %d with checksums %s, learner sent %s", gid, version, got, sent)
+            self._event("weights_mismatch", id=gid, version=version)
 
     def _ack(self) -> None:
         if self.rank == 0 and self.unacked:
@@ -604,9 +566,10 @@ class Learner:
         t0 = time.perf_counter()
         do_send = torch.tensor([0], dtype=torch.long)
         if self.rank == 0:
-            if self.fleet_needs_sync() or self.sender.pg is None:
-                self.sender.open_epoch(self.live_members(), self._publish_epoch, self._event,
-                                       alive=self.live_members)
+            members = self.live_members()
+            if set(members) != set(self.sender.members) or self.sender.pg is None:
+                # `alive` re-reads the fleet while the epoch's members join
+                self.sender.open_epoch(members, self._publish_epoch, self._event, alive=self.live_members)
             do_send[0] = 1 if self.sender.members else 0
         if self.world > 1:
             dist.broadcast(do_send, src=0)
@@ -628,7 +591,7 @@ class Learner:
         try:
             self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev),
                                                         checksum)
-            self.synced[self.version] = self.last_checksums
+            self.weight_check.sent(self.version, self.last_checksums)
             self.sync_s = time.perf_counter() - t0
             self._event("sync", version=self.version, epoch=self.sender.epoch, seconds=f"{self.sync_s:.4f}",
                         members=len(self.sender.members))
@@ -649,41 +612,44 @@ class Learner:
     def _event(self, kind: str, **fields) -> None:
         log_event(self.client, self.keys, kind, **fields)
 
-    def _verify_last_push(self, timeout_s: float = 30.0) -> None:
+    def _verify_last_push(self, fleet: dict[str, schema.Heartbeat],
+                          timeout_s: float = 30.0) -> dict[str, schema.Heartbeat]:
         """After the last step's push, wait (bounded) until every live generator reports holding it,
         so that the final version is verified too: `verify_fleet_weights` runs right after the
         broadcast, before a generator has loaded it and said so in its heartbeat (a 2-step CPU run
-        of SmolLM2 verified 2 of its 3 pushes)."""
-        if self.version not in self.synced:
-            return  # not pushed (weights.sync_every) or the push failed
+        of SmolLM2 verified 2 of its 3 pushes). Returns the last fleet snapshot it read."""
+        check = self.weight_check
+        if self.version not in check.synced:
+            return fleet  # not pushed (weights.sync_every) or the push failed
         deadline = time.monotonic() + min(timeout_s, self.cfg.weights.sync_timeout_s)
-        while time.monotonic() < deadline:
-            self.verify_fleet_weights()
-            ids = {member.rsplit(".", 1)[0] for member in self.sender.members}  # who was sent it
-            if all((gid, self.version) in self.verified for gid in ids):
-                return
+        ids = {member.rsplit(".", 1)[0] for member in self.sender.members}  # who was sent it
+        while not all((gid, self.version) in check.verified for gid in ids):
+            if time.monotonic() >= deadline:
+                log.warning("not every generator reported version %d within %.0fs of the last push", self.version,
+                            timeout_s)
+                break
             time.sleep(0.1)
-        log.warning("not every generator reported version %d within %.0fs of the last push", self.version, timeout_s)
+            fleet = self.read_fleet()
+            self.verify_fleet_weights(fleet)
+        return fleet
 
-    def after_step(self, groups: list[schema.TrajectoryGroup], stats: dict, sync_s: float) -> None:
+    def after_step(self, groups: list[schema.TrajectoryGroup], stats: dict, sync_s: float,
+                   fleet: dict[str, schema.Heartbeat]) -> None:
+        """The step's row; `fleet` is the heartbeat snapshot read after the step (its weight check
+        ran on it), used for the generator metrics."""
         if self.step >= self.cfg.run.max_steps:
-            self._verify_last_push()
+            fleet = self._verify_last_push(fleet)
         trained_version = self.version - 1
         lags = []
         for g in groups:
             for s in g.samples:
                 lags.extend((trained_version - schema.unpack_i32(s.versions)).tolist())
         rewards = [s.reward for g in groups for s in g.samples]
-        gen_info = []
-        for key in self.client.scan_iter(self.keys.gen_pattern, count=1000):
-            info = self.client.hgetall(key)
-            if info:
-                gen_info.append(info)
         if getattr(self, "gen_rate", None) is None:
             from asyncrl.metrics import FleetTokenRate
 
             self.gen_rate = FleetTokenRate(start=self.t_start)
-        counters = {info[b"id"].decode(): float(info.get(b"tokens", 0)) for info in gen_info}
+        counters = {gid: float(hb.tokens) for gid, hb in fleet.items()}
         if self.resumed_from and not self.gen_rate.counters:
             self.gen_rate.counters = dict(counters)  # made before this learner started: not in its window
         gen_tps = self.gen_rate.update(counters, time.monotonic())
@@ -699,8 +665,8 @@ class Learner:
             "num_groups": len(groups),
             "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": stats["tokens"] / max(stats["step_s"], 1e-9),
             "sync_s": sync_s, "buffer_depth": depth, "idle_ratio": self.idle_s / max(elapsed, 1e-9),
-            "num_generators": len(gen_info), "weights_verified": self.num_weights_verified,
-            "weights_mismatch": self.num_weights_mismatch,
+            "num_generators": len(fleet), "weights_verified": self.weight_check.num_verified,
+            "weights_mismatch": self.weight_check.num_mismatch,
             "generators_in_batch": sorted({g.generator_id for g in groups}),
             **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
             "sample_age_s": time.time() - min(g.created_at for g in groups),
@@ -709,7 +675,7 @@ class Learner:
         if baselines:  # advantage=remax: the greedy completions' rewards the samples were measured against
             row["baseline_reward_mean"] = sum(baselines) / len(baselines)
         row.update(self.evaluator.after_step(self.step, self.version))  # eval/* of a round that finished
-        self.obs.on_step(row, rewards)  # adds reward quantiles, dropped fraction, fleet metrics
+        self.obs.on_step(row, rewards, fleet)  # adds reward quantiles, dropped fraction, fleet metrics
         self.client.hset(self.keys.learner, mapping={"step": self.step, "version": self.version,
                                                      "idle_ratio": row["idle_ratio"], "updated_at": time.time(),
                                                      "tokens_per_s": row["learner_tokens_per_s"]})
