@@ -91,7 +91,9 @@ def add_deploy_commands(sub, add_config_args, load) -> None:
     r.add_argument("--learner-nodes", type=int, default=1)
     r.add_argument("--gpus-per-node", type=int, default=0)
     r.add_argument("--cpus-per-role", type=float, default=1.0, help="CPUs each role's bundle reserves")
-    for role in ("core", "learner", "generator"):
+    from asyncrl.deploy_ray import ROLES  # the standard library only: `asyncrl --help` stays instant
+
+    for role in ROLES:
         r.add_argument(f"--{role}-resources", default="", metavar="JSON",
                        help=f"custom Ray resources each {role} bundle also reserves, e.g. '{{\"{role}_node\": 1}}': "
                             f"only nodes started with `ray start --resources` holding them take the {role}")

@@ -141,11 +141,6 @@ def _role_actor_class():
         def pid(self) -> int:
             return os.getpid()
 
-        def ip(self) -> str:
-            import ray
-
-            return ray.util.get_node_ip_address()
-
         def terminate(self) -> None:
             """SIGTERM to the role only: a generator drains, then exits 0."""
             if self.proc.poll() is None:
