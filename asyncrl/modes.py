@@ -43,8 +43,14 @@ def may_generate(mode: str, held_version: int, learner_version: int) -> bool:
 
 
 def config_errors(cfg: Config) -> list[str]:
-    """Cross-field checks of run.mode=sync (each message names the dotted path and the fix)."""
+    """Cross-field checks of run.mode (each message names the dotted path and the fix)."""
     if cfg.run.mode != "sync":
+        # A group starts on the last version pushed; the learner trains up to sync_every - 1 versions
+        # past it before the next push, so every group of those steps would be too stale to train.
+        if cfg.weights.sync_every - 1 > cfg.algorithm.max_staleness:
+            return [f"weights.sync_every={cfg.weights.sync_every} needs algorithm.max_staleness >= "
+                    f"{cfg.weights.sync_every - 1} (got {cfg.algorithm.max_staleness}): groups started between "
+                    f"pushes would all be dropped as stale"]
         return []
     errors = []
     if cfg.weights.sync_every != 1:

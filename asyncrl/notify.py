@@ -4,7 +4,8 @@ connection of its own) instead of polling the state every 50 ms.
 
 Kinds: `version` (the learner's version or its `dropped_groups` moved: the admission budget),
 `weights` (`wgroup` or `wsync` changed: a group epoch or a weight broadcast), `prompts` (the buffer
-released prompts), and `held`, which a generator bumps locally when the version it holds changes.
+released prompts), `fleet` (a generator's heartbeat shows a new held version: the buffer's admission
+counts from the lowest), and `held`, which a generator bumps locally when the version it holds changes.
 
 Why a stream, not pub/sub: a pub/sub message sent while nobody listens (a reader reconnecting, a
 redis-server restart) is gone; a stream entry stays, and the reader resumes after the last id it
@@ -29,7 +30,7 @@ from asyncrl.keys import Keys
 
 log = logging.getLogger(__name__)
 
-KINDS = ("version", "weights", "prompts", "held")
+KINDS = ("version", "weights", "prompts", "held", "fleet")
 MAXLEN = 256  # entries kept: readers only need what arrived since their last read
 BLOCK_S = 1.0  # one XREAD blocks this long, then re-issues (keeps the connection checked)
 RECONNECT_S = (0.05, 1.0)  # backoff after a lost connection: first wait, cap

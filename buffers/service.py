@@ -18,6 +18,7 @@ import zmq
 
 from asyncrl import schema, store
 from asyncrl.config import Config
+from asyncrl.fleet import admitted, read_fleet
 from asyncrl.keys import PROMPT_GROUP, Keys, connect, log_event
 from asyncrl.modes import admission_staleness
 from asyncrl.notify import NotifyPipe, publish
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 RECLAIMER = "buffer-reclaim"
 RCVHWM = 256  # frames queued in our PULL socket before ZeroMQ stops taking more from generators
 MAX_BATCH_BYTES = 32 * 2**20  # one Redis pipeline carries at most this much
-# Prompt release: at once on a `version` wake-up (asyncrl/notify.py), else re-checked this often;
+# Prompt release: at once on a `version` or `fleet` wake-up (asyncrl/notify.py), else re-checked this often;
 # every 50 ms while the prompt backlog held it back (generators drain that by leasing, unannounced).
 RELEASE_FALLBACK_S = 0.5
 RELEASE_BACKLOG_S = 0.05
@@ -88,6 +89,20 @@ def admission_budget(version: int, max_staleness: int, groups_per_step: int, dro
     learner dropped (stale, or zero-variance) are added back so the pipe never starves.
     """
     return (version + max_staleness + 1) * groups_per_step + dropped_groups
+
+
+def admission_version(learner_version: int, fleet: dict, admit) -> int:
+    """The version the admission budget counts from: the learner's, or the lowest held by a generator
+    that takes prompts, whichever is lower.
+
+    A prompt released now starts on the weights its generator holds, not the learner's: released at
+    learner version v while a push of v is still on its way, it would start on v-1 and be two
+    versions behind by the time the learner reaches it, and be dropped as stale. Counting from the
+    generators' version releases the next batch's prompts only once the weights they start on have
+    landed. Generators holding no version (joining, or after a failed sync), draining ones and ones
+    without a valid run token are left out; with none left the learner's version counts."""
+    held = [hb.version for hb in fleet.values() if hb.version >= 0 and hb.state != "draining" and admit(hb)]
+    return min([learner_version, *held])
 
 
 class BufferService:
@@ -337,6 +352,9 @@ class BufferService:
         version = int(self.client.get(self.keys.version) or 0)
         dropped = int(self.client.hget(self.keys.learner, "dropped_groups") or 0)
         cursor = {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.cursor).items()}
+        if self.cfg.run.mode != "sync":  # sync: generators start a group only on the learner's version
+            version = admission_version(version, read_fleet(self.client, self.keys),
+                                        lambda hb: admitted(self.cfg, hb)[0])
         # run.mode=sync: staleness 0, exactly learner.batch_groups prompts per version (asyncrl/modes.py).
         budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
         backlog = group_lag(self.client, self.keys.prompts, PROMPT_GROUP)
@@ -407,10 +425,11 @@ class BufferService:
         self._stop.set()
 
     def _start_notify(self) -> None:
-        """The `version` wake-ups (learner steps, dropped groups) end the ingest poll (asyncrl/notify.py)."""
+        """The `version` wake-ups (learner steps, dropped groups) and the `fleet` ones (a generator's
+        held version moved) end the ingest poll (asyncrl/notify.py)."""
         if not self.cfg.buffer.redis_url:  # a test's injected client: poll on the fallback tick alone
             return
-        self.notify = NotifyPipe(self.cfg.buffer.redis_url, self.keys, ("version",)).start()
+        self.notify = NotifyPipe(self.cfg.buffer.redis_url, self.keys, ("version", "fleet")).start()
         self._poller, self._wake_poller = zmq.Poller(), zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         for p in (self._poller, self._wake_poller):

@@ -5,10 +5,10 @@ import time
 
 import zmq
 
-from asyncrl import schema
+from asyncrl import schema, security
 from asyncrl.keys import PROMPT_GROUP, Keys
 from asyncrl.store import LEARNER_GROUP
-from buffers.service import BufferService, admission_budget
+from buffers.service import BufferService, admission_budget, admission_version
 from tests.helpers import make_group
 
 
@@ -91,6 +91,60 @@ def test_admission_control_bounds_released_prompts(make_cfg, redis_server):
     finally:
         svc.stop()
         t.join(timeout=10)
+
+
+def _heartbeat(client, keys, gid, version, state="generating", proof=""):
+    client.hset(keys.gen(gid), mapping=schema.Heartbeat(id=gid, state=state, version=version,
+                                                        schema_version=schema.SCHEMA_VERSION,
+                                                        token_proof=proof).to_hash())
+    client.expire(keys.gen(gid), 60)
+    client.xadd(keys.notify, {"k": "fleet"})
+
+
+def test_admission_counts_from_the_lowest_version_a_generator_holds(make_cfg, redis_server, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-for-the-run")
+    token.chmod(0o600)
+    cfg = make_cfg("run.name=admitfleet", "learner.batch_groups=4", "algorithm.max_staleness=1",
+                   f"deploy.run_token_file={token}", redis=redis_server)
+    keys = Keys("admitfleet")
+    svc, t = _start(cfg)
+    try:
+        client = svc.client
+        assert _wait(lambda: client.xlen(keys.prompts) == 8)
+        # The learner stepped to version 3, but the push of 3 has not landed: g0 still holds 2. The
+        # next batch waits for it (counting from the learner would release 4 x 5 = 20 now).
+        _heartbeat(client, keys, "g0", 2, proof=security.token_proof("s3cret-token-for-the-run", "g0"))
+        client.set(keys.version, 3)
+        client.xadd(keys.notify, {"k": "version"})
+        assert _wait(lambda: client.xlen(keys.prompts) == admission_budget(2, 1, 4, 0) == 16)
+        time.sleep(0.8)  # longer than the release fallback period
+        assert client.xlen(keys.prompts) == 16
+        # Left out of the minimum: a generator holding no version, a draining one, and one without
+        # the run token (a forged heartbeat cannot hold the run back).
+        _heartbeat(client, keys, "joining", -1)
+        _heartbeat(client, keys, "leaving", 0, state="draining",
+                   proof=security.token_proof("s3cret-token-for-the-run", "leaving"))
+        _heartbeat(client, keys, "forged", 0, proof="00" * 32)
+        time.sleep(0.8)
+        assert client.xlen(keys.prompts) == 16
+        # The weights land: g0 at 3, the next batch is released at once.
+        _heartbeat(client, keys, "g0", 3, proof=security.token_proof("s3cret-token-for-the-run", "g0"))
+        assert _wait(lambda: client.xlen(keys.prompts) == admission_budget(3, 1, 4, 0) == 20, timeout=2)
+    finally:
+        svc.stop()
+        t.join(timeout=10)
+
+
+def test_admission_version_rule():
+    hb = schema.Heartbeat
+    admit_all = lambda h: True  # noqa: E731
+    assert admission_version(5, {}, admit_all) == 5
+    assert admission_version(5, {"a": hb(id="a", version=4), "b": hb(id="b", version=5)}, admit_all) == 4
+    assert admission_version(5, {"a": hb(id="a", version=-1)}, admit_all) == 5
+    assert admission_version(5, {"a": hb(id="a", version=1, state="draining")}, admit_all) == 5
+    assert admission_version(5, {"a": hb(id="a", version=1)}, lambda h: False) == 5
+    assert admission_version(2, {"a": hb(id="a", version=7)}, admit_all) == 2
 
 
 def test_expired_leases_are_reclaimed_and_late_duplicates_dropped(make_cfg, redis_server):

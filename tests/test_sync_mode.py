@@ -18,6 +18,9 @@ def test_sync_mode_config_checks_name_the_fix():
         load_config(None, ["run.mode=sync", "weights.sync_every=2"])
     with pytest.raises(ConfigError, match="buffer.sampling=fifo"):
         load_config(None, ["run.mode=sync", "buffer.sampling=replay", "buffer.replay_ratio=2"])
+    with pytest.raises(ConfigError, match="algorithm.max_staleness >= 2"):
+        load_config(None, ["weights.sync_every=3", "algorithm.max_staleness=1"])
+    assert load_config(None, ["weights.sync_every=2", "algorithm.max_staleness=1"]).weights.sync_every == 2
     cfg = load_config(None, ["run.mode=sync", "algorithm.max_staleness=3"])
     assert admission_staleness(cfg) == 0
     assert admission_staleness(load_config(None, ["algorithm.max_staleness=3"])) == 3
