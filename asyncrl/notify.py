@@ -36,10 +36,11 @@ BLOCK_S = 1.0  # one XREAD blocks this long, then re-issues (keeps the connectio
 RECONNECT_S = (0.05, 1.0)  # backoff after a lost connection: first wait, cap
 
 
-def publish(client, keys: Keys, kind: str) -> None:
-    """Appends a `kind` wake-up (client or pipeline; after the state change it announces)."""
+def publish(client, keys: Keys, kind: str):
+    """Appends a `kind` wake-up (client or pipeline; after the state change it announces). With an
+    asyncio client, await what it returns."""
     assert kind in KINDS, kind
-    client.xadd(keys.notify, {"k": kind}, maxlen=MAXLEN, approximate=True)
+    return client.xadd(keys.notify, {"k": kind}, maxlen=MAXLEN, approximate=True)
 
 
 def _client_kwargs() -> dict:

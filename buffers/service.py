@@ -352,11 +352,15 @@ class BufferService:
         version = int(self.client.get(self.keys.version) or 0)
         dropped = int(self.client.hget(self.keys.learner, "dropped_groups") or 0)
         cursor = {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.cursor).items()}
-        if self.cfg.run.mode != "sync":  # sync: generators start a group only on the learner's version
+        # run.mode=sync: staleness 0, exactly learner.batch_groups prompts per version (asyncrl/modes.py).
+        staleness, per_step = admission_staleness(self.cfg), self.cfg.learner.batch_groups
+        budget = admission_budget(version, staleness, per_step, dropped)
+        # The fleet can only lower the budget: read it only when the learner's would release some.
+        # (sync: generators start a group only on the learner's version.)
+        if self.cfg.run.mode != "sync" and budget > cursor["released"]:
             version = admission_version(version, read_fleet(self.client, self.keys),
                                         lambda hb: admitted(self.cfg, hb)[0])
-        # run.mode=sync: staleness 0, exactly learner.batch_groups prompts per version (asyncrl/modes.py).
-        budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
+            budget = admission_budget(version, staleness, per_step, dropped)
         backlog = group_lag(self.client, self.keys.prompts, PROMPT_GROUP)
         num = min(budget - cursor["released"], self.cfg.buffer.prompt_backlog - backlog)
         self._backlog_bound = self.cfg.buffer.prompt_backlog - backlog < budget - cursor["released"]

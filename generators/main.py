@@ -31,12 +31,11 @@ import traceback
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from asyncrl import retry, schema, security
+from asyncrl import notify, retry, schema, security
 from asyncrl.config import Config
 from asyncrl.data import encode_prompt
 from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
 from asyncrl.modes import may_generate
-from asyncrl.notify import MAXLEN as NOTIFY_MAXLEN
 from asyncrl.notify import AsyncNotifications
 from asyncrl.rewards import RewardPool, build_reward
 from asyncrl.sampling import heartbeat_fields
@@ -161,10 +160,6 @@ class Generator:
             await self.heartbeat()
             await asyncio.sleep(self.cfg.generator.heartbeat_s)
 
-    async def _publish_fleet(self) -> None:
-        """Tells the buffer the version this generator holds moved (its admission counts from it)."""
-        await self.redis.xadd(self.keys.notify, {"k": "fleet"}, maxlen=NOTIFY_MAXLEN, approximate=True)
-
     async def weights_loop(self) -> None:
         """Follows the learner's group epochs and weight announcements: re-read at each `weights`
         wake-up (the learner publishes one with every wgroup/wsync change), else every WEIGHTS_FALLBACK_S."""
@@ -212,7 +207,7 @@ class Generator:
                                                  "t": f"{time.time():.3f}"}, maxlen=10_000, approximate=True)
         self.state = prev if prev in ("draining", "generating") else "generating"
         await self.heartbeat()
-        await self._publish_fleet()
+        await notify.publish(self.redis, self.keys, "fleet")  # the buffer's admission counts from it
         log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs; transfer before it %.3fs)",
                  self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0), stats.get("load_s", stats.get("receive_s", 0.0)),
                  stats.get("stage_s", 0.0))
