@@ -1,5 +1,5 @@
 import sys
 
-from asyncrl.cli import main
+from asyncrl.launch.cli import main
 
 sys.exit(main())

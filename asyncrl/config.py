@@ -90,7 +90,7 @@ class DataConfig:
     alphabet: str = "abcdefgh"
     min_len: Annotated[int, AtLeastOne] = 2
     max_len: Annotated[int, AtLeastOne] = 4
-    # arith (asyncrl/arith.py): `a OP b`, OP from these, operands of min..max digits, asked in this prompt.
+    # arith (asyncrl/tasks/arith.py): `a OP b`, OP from these, operands of min..max digits, asked in this prompt.
     arith_ops: str = "+-"
     arith_min_digits: Annotated[int, Range(ge=1, le=9)] = 2
     arith_max_digits: Annotated[int, Range(ge=1, le=9)] = 2
@@ -107,7 +107,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: Literal["copy", "gsm8k", "math", "exact_match", "format", "arith"] = "copy"  # registry: asyncrl/rewards.py
+    name: Literal["copy", "gsm8k", "math", "exact_match", "format", "arith"] = "copy"  # registry: asyncrl/tasks/rewards.py
     # A user function `my_pkg.mod:score`, called score(completion, answer, **row) -> float; replaces `name`.
     function: str = ""
     # A Hugging Face sequence-classification model (num_labels=1) scoring prompt+completion, one batch
@@ -152,7 +152,7 @@ class GeneratorConfig:
     tensor_parallel_size: Annotated[int, AtLeastOne] = 1
     kv_cache_gb: Annotated[float, Positive] = 1.0  # CPU build only: VLLM_CPU_KVCACHE_SPACE
     cpu_threads: Annotated[int, AtLeastOne] = 1  # CPU build only: OMP threads per engine
-    cpus: str = ""  # CPU list this role's processes run on ("0", "0-3,8"); empty: no pinning (asyncrl/affinity.py)
+    cpus: str = ""  # CPU list this role's processes run on ("0", "0-3,8"); empty: no pinning (asyncrl/launch/affinity.py)
     drain_timeout_s: Annotated[float, NonNegative] = 120.0  # SIGTERM: in-flight groups not done by then are handed back to the buffer
 
 
@@ -286,7 +286,7 @@ class AlgorithmConfig:
     lam: Annotated[float, Fraction] = 0.95
     value_clip: Annotated[float, NonNegative] = 0.2
     entropy_coef: Annotated[float, NonNegative] = 0.0  # loss -= entropy_coef * aggregated exact entropy
-    # Rollout correction (asyncrl/rollout_correction.py): reject tokens / sequences by their pi_prox / mu,
+    # Rollout correction (asyncrl/algorithms/rollout_correction.py): reject tokens / sequences by their pi_prox / mu,
     # e.g. rollout_rs=[token_k1,seq_mean_k3] rollout_rs_threshold=[2.0,0.01] (one threshold, or one each).
     rollout_rs: list[RolloutRSName] = field(default_factory=list)
     rollout_rs_threshold: list[float] = field(default_factory=lambda: [2.0])
@@ -425,7 +425,7 @@ class Config:
         return self.model.path or str(self.run_dir / "tiny-model")
 
     def tiny_shape(self) -> dict:
-        """`model.tiny_*` as keyword arguments of asyncrl.tiny_model.write_tiny_model."""
+        """`model.tiny_*` as keyword arguments of asyncrl.tools.tiny_model.write_tiny_model."""
         m = self.model
         heads = m.tiny_num_heads or m.tiny_hidden_size // 64
         return {"hidden_size": m.tiny_hidden_size, "num_layers": m.tiny_num_layers, "num_heads": heads,
@@ -439,7 +439,7 @@ class Config:
                 and heads % m.tiny_num_kv_heads == 0)
 
     def _advantage_meta(self, flag: str) -> bool:
-        """A flag of algorithm.advantage's registration (asyncrl/advantages.py), read without torch."""
+        """A flag of algorithm.advantage's registration (asyncrl/algorithms/advantages.py), read without torch."""
         from asyncrl import registry
 
         return bool(registry.ADVANTAGES.static_meta(self.algorithm.advantage).get(flag, False))
@@ -528,7 +528,7 @@ class Config:
             if not ok:
                 raise ConfigError(message)
         if self.data.task == "arith":
-            from asyncrl.arith import check_settings
+            from asyncrl.tasks.arith import check_settings
 
             d = self.data
             for message in check_settings(d.arith_ops, d.arith_min_digits, d.arith_max_digits, d.arith_prompt):
@@ -542,7 +542,7 @@ class Config:
 
         for message in config_errors(self):
             raise ConfigError(message)
-        from asyncrl.affinity import config_errors as affinity_errors  # generator/learner/buffer.cpus
+        from asyncrl.launch.affinity import config_errors as affinity_errors  # generator/learner/buffer.cpus
 
         for message in affinity_errors(self):
             raise ConfigError(message)

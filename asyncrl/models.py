@@ -165,7 +165,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_commands(sub) -> None:
-    from asyncrl.cli import _setup_logging
+    from asyncrl.launch.cli import _setup_logging
 
     p = sub.add_parser("model", help="write a real pretrained model as a Hugging Face folder (offline, from GGUF)")
     msub = p.add_subparsers(dest="model_command", required=True)

@@ -86,11 +86,11 @@ class Registry:
         return found
 
 
-ADVANTAGES = Registry("ADVANTAGES", "algorithm.advantage", "asyncrl.advantages", "Advantage estimators")
-POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.loss", "asyncrl.losses", "Policy losses")
-KL_ESTIMATORS = Registry("KL_ESTIMATORS", "algorithm.kl_estimator", "asyncrl.kl", "KL estimators")
-AGGREGATIONS = Registry("AGGREGATIONS", "algorithm.aggregation", "asyncrl.algorithms", "Loss aggregations")
-ROLLOUT_CORRECTIONS = Registry("ROLLOUT_CORRECTIONS", "algorithm.rollout_rs", "asyncrl.rollout_correction",
+ADVANTAGES = Registry("ADVANTAGES", "algorithm.advantage", "asyncrl.algorithms.advantages", "Advantage estimators")
+POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.loss", "asyncrl.algorithms.losses", "Policy losses")
+KL_ESTIMATORS = Registry("KL_ESTIMATORS", "algorithm.kl_estimator", "asyncrl.algorithms.kl", "KL estimators")
+AGGREGATIONS = Registry("AGGREGATIONS", "algorithm.aggregation", "asyncrl.algorithms.aggregation", "Loss aggregations")
+ROLLOUT_CORRECTIONS = Registry("ROLLOUT_CORRECTIONS", "algorithm.rollout_rs", "asyncrl.algorithms.rollout_correction",
                                "Rollout corrections (rejection sampling)")
 FAMILIES = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, ROLLOUT_CORRECTIONS)
 

@@ -108,7 +108,7 @@ class HeartbeatPoller(threading.Thread):
     def run(self) -> None:
         import redis
 
-        from asyncrl.keys import Keys
+        from asyncrl.protocol.keys import Keys
 
         client, keys = None, Keys(self.run_name)
         while not self.done.is_set():
@@ -147,7 +147,7 @@ def affinity_snapshot(pids: list[int]) -> list[dict]:
     """Each live process under `pids` (and itself) with the CPUs the kernel lets it run on."""
     import psutil
 
-    from asyncrl.affinity import format_cpus
+    from asyncrl.launch.affinity import format_cpus
 
     out = []
     for pid in pids:
@@ -243,7 +243,7 @@ def run_mode(mode: str, base: list[str], out_dir: Path, env: dict) -> dict:
 def _wait_left(proc: subprocess.Popen, client, keys, timeout_s: float = 240) -> None:
     """Waits for a SIGTERMed generator to exit. Once it has logged `generator_leave` (drained, every
     group confirmed) a process still alive 30 s later is stuck in engine teardown: it is killed."""
-    from asyncrl.launcher import kill_tree
+    from asyncrl.launch.launcher import kill_tree
 
     deadline, left_at = time.time() + timeout_s, None
     while proc.poll() is None and time.time() < deadline:
@@ -260,10 +260,10 @@ def _wait_left(proc: subprocess.Popen, client, keys, timeout_s: float = 240) -> 
 def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_s: float,
                  name: str = "bench-stages") -> dict:
     """Generator alone (no learner consuming), then the learner alone on what it generated."""
-    from asyncrl import schema
-    from asyncrl.affinity import cpus_of
-    from asyncrl.keys import Keys, connect
-    from asyncrl.redis_server import LocalRedis
+    from asyncrl.protocol import schema
+    from asyncrl.launch.affinity import cpus_of
+    from asyncrl.protocol.keys import Keys, connect
+    from asyncrl.launch.redis_server import LocalRedis
 
     probe = load_config(None, base)
     redis = LocalRedis(out_dir / "redis-stages", cpus=cpus_of(probe, "buffer")).start()  # as the launcher's
@@ -348,7 +348,7 @@ def main() -> int:
     if not model:
         import torch
 
-        from asyncrl.tiny_model import write_tiny_model
+        from asyncrl.tools.tiny_model import write_tiny_model
 
         # The preset's model.tiny_* shape and warm start; on the GPU when there is one (larger shapes).
         probe = load_config(None, [*PRESETS[args.preset], *args.overrides])

@@ -1,7 +1,7 @@
 """Greedy accuracy of a model on a config's held-out evaluation set, outside a run.
 
 What an evaluation round's `eval/pass@1` would say for the model at `model.path` before any training:
-the same held-out prompts (`asyncrl.evaluation.load_eval_set`), the same prompt encoding (chat
+the same held-out prompts (`asyncrl.tasks.evaluation.load_eval_set`), the same prompt encoding (chat
 template per `data.chat_template`), the same reward and correctness test, greedy, `generator.max_tokens`
 new tokens, through vLLM (its CPU build here, CUDA where installed).
 
@@ -32,9 +32,9 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from asyncrl.data import encode_prompt
-    from asyncrl.evaluation import load_eval_set
-    from asyncrl.rewards import build_reward, is_correct
+    from asyncrl.tasks.data import encode_prompt
+    from asyncrl.tasks.evaluation import load_eval_set
+    from asyncrl.tasks.rewards import build_reward, is_correct
 
     rows = load_eval_set(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)

@@ -25,9 +25,9 @@ sys.path.insert(0, str(REPO))
 
 
 def run_generator(cfg, tmp: Path, num_prompts: int) -> dict:
-    from asyncrl import schema
+    from asyncrl.protocol import schema
     from asyncrl.config import dump_yaml
-    from asyncrl.keys import Keys, connect
+    from asyncrl.protocol.keys import Keys, connect
 
     cfg_path = tmp / "bench.yaml"
     cfg_path.write_text(dump_yaml(cfg))
@@ -65,7 +65,7 @@ def run_generator(cfg, tmp: Path, num_prompts: int) -> dict:
 def run_standalone(cfg, prompt_texts: list[str]) -> dict:
     from transformers import AutoTokenizer
 
-    from asyncrl.data import encode_prompt
+    from asyncrl.tasks.data import encode_prompt
     from generators.vllm_engine import VllmEngine
 
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -112,8 +112,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from asyncrl.config import load_config
-    from asyncrl.redis_server import LocalRedis
-    from asyncrl.tiny_model import write_tiny_model
+    from asyncrl.launch.redis_server import LocalRedis
+    from asyncrl.tools.tiny_model import write_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="gen-overhead-"))
     model = args.model or str(write_tiny_model(tmp / "model", seed=0, warm_start_steps=args.warm_start_steps))

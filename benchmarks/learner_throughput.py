@@ -138,7 +138,7 @@ def make_groups(batch: int, seq: int, prompt_len: int, vocab: int, seed: int):
     """Trajectory groups as generators send them: `batch` samples of `seq` tokens, no padding."""
     import numpy as np
 
-    from asyncrl import schema
+    from asyncrl.protocol import schema
 
     rng = np.random.default_rng(seed)
     n_per_group = min(8, batch)
@@ -257,7 +257,7 @@ def ragged_groups(num_seqs: int, vocab: int, seed: int, n: int = 8, uniform_seq:
     uniform_seq tokens, as many as hold `total_tokens` real tokens (rounded up to whole groups)."""
     import numpy as np
 
-    from asyncrl import schema
+    from asyncrl.protocol import schema
 
     rng = np.random.default_rng(seed)
     if uniform_seq:

@@ -6,7 +6,7 @@ proximal log-prob pass, on CPU, at SmolLM2-135M's shape and vocabulary.
   logprobs_N          learners/step.py: log-probs of every completion token (chunked head)
   logprobs_sum_pi2_N  learners/step.py: log-probs and sum_v pi_v^2 in one pass
                       (algorithm.advantage=optimal_token_baseline)
-  advantage           asyncrl.advantages.estimate on the step: grpo vs optimal_token_baseline
+  advantage           asyncrl.algorithms.advantages.estimate on the step: grpo vs optimal_token_baseline
 
 A Llama model of random weights in float32 (the cost does not depend on the weights' values) and one
 ragged step of --groups x --n samples (prompt and completion lengths uniform in their ranges, token
@@ -81,7 +81,7 @@ def build_model(args):
 
 
 def build_groups(args) -> list:
-    from asyncrl import schema
+    from asyncrl.protocol import schema
 
     rng = random.Random(args.seed)
     groups = []
@@ -149,10 +149,10 @@ def time_passes(s: dict, repeats: int) -> tuple[dict, tuple]:
 
 
 def time_advantages(s: dict, logp_N, pi2_N, repeats: int) -> dict:
-    """Seconds of one `asyncrl.advantages.estimate` call on the step, per estimator."""
+    """Seconds of one `asyncrl.algorithms.advantages.estimate` call on the step, per estimator."""
     import torch
 
-    from asyncrl.advantages import AdvantageInputs, estimate
+    from asyncrl.algorithms.advantages import AdvantageInputs, estimate
     from asyncrl.config import load_config
 
     step = s["step"]

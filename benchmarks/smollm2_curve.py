@@ -129,7 +129,7 @@ def cmd_report(args) -> int:
               f"{c['best_pass@1'] or 0:>6.3f} {c['final_pass@1'] or 0:>6.3f} {c['median_step_s'] or 0:>7.2f}  "
               + "  ".join(f"{'-' if x is None else f'{x:.0f}':>6}" for x in t))
     if args.png:
-        from asyncrl.plot import plot_eval_curves
+        from asyncrl.observe.plot import plot_eval_curves
 
         plot_eval_curves({m: [(p["t_s"] / 60, p["pass@1"]) for p in c["curve"]]
                           for m, c in curves.items()}, args.png, title=f"SmolLM2-135M-Instruct, arithmetic ({args.device})")

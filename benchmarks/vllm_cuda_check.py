@@ -18,9 +18,9 @@ import uuid
 
 import torch
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import load_config
-from asyncrl.weight_sync import WeightSender, pack_buckets, plan_buckets
+from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
 
 
 def qwen05_config(vocab: int):
@@ -35,7 +35,7 @@ def qwen05_config(vocab: int):
 def write_model(path, config, dtype):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.tiny_model import build_tokenizer
+    from asyncrl.tools.tiny_model import build_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -140,7 +140,7 @@ async def amain():
     ap.add_argument("--work", default="/tmp/asyncrl-cuda")
     args = ap.parse_args()
 
-    from asyncrl.tiny_model import tiny_config
+    from asyncrl.tools.tiny_model import tiny_config
     from generators.vllm_engine import VllmEngine
 
     results = {"device": torch.cuda.get_device_name(0)}

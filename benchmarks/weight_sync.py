@@ -45,7 +45,7 @@ def tensors_for(millions: int) -> dict[str, torch.Tensor]:
 
 
 def receiver(rank: int, world: int, port: int, epochs, anns, done):
-    from asyncrl.weight_sync import WeightReceiver, new_group
+    from asyncrl.protocol.weight_sync import WeightReceiver, new_group
 
     recv = WeightReceiver(f"r{rank}")
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
@@ -81,8 +81,8 @@ def receiver(rank: int, world: int, port: int, epochs, anns, done):
 
 
 def run_case(millions: int, num_receivers: int, bucket_mb: float, repeats: int) -> dict:
-    from asyncrl.schema import SCHEMA_VERSION, WeightAnnouncement
-    from asyncrl.weight_sync import WeightSender, new_group, pack_buckets, plan_buckets
+    from asyncrl.protocol.schema import SCHEMA_VERSION, WeightAnnouncement
+    from asyncrl.protocol.weight_sync import WeightSender, new_group, pack_buckets, plan_buckets
 
     ctx = mp.get_context("spawn")
     sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=120, sync_timeout_s=300)

@@ -16,22 +16,22 @@ import uuid
 import redis
 import zmq
 
-from asyncrl import schema, store
+from asyncrl.protocol import schema, store
 from asyncrl.config import Config
-from asyncrl.fleet import admitted, read_fleet
-from asyncrl.keys import PROMPT_GROUP, Keys, connect, log_event
+from asyncrl.protocol.fleet import admitted, read_fleet
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys, connect, log_event
 from asyncrl.modes import admission_staleness
-from asyncrl.notify import NotifyPipe, publish
-from asyncrl.retry import RETRYABLE
-from asyncrl.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
-from asyncrl.tasks import PromptRecord, copy_dataset, iter_epochs
+from asyncrl.protocol.notify import NotifyPipe, publish
+from asyncrl.protocol.retry import RETRYABLE
+from asyncrl.protocol.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
+from asyncrl.tasks.synthetic import PromptRecord, copy_dataset, iter_epochs
 
 log = logging.getLogger(__name__)
 
 RECLAIMER = "buffer-reclaim"
 RCVHWM = 256  # frames queued in our PULL socket before ZeroMQ stops taking more from generators
 MAX_BATCH_BYTES = 32 * 2**20  # one Redis pipeline carries at most this much
-# Prompt release: at once on a `version` or `fleet` wake-up (asyncrl/notify.py), else re-checked this often;
+# Prompt release: at once on a `version` or `fleet` wake-up (asyncrl/protocol/notify.py), else re-checked this often;
 # every 50 ms while the prompt backlog held it back (generators drain that by leasing, unannounced).
 RELEASE_FALLBACK_S = 0.5
 RELEASE_BACKLOG_S = 0.05
@@ -57,11 +57,11 @@ def load_prompts(cfg: Config) -> list[PromptRecord]:
         return copy_dataset(cfg.data.num_prompts, seed=cfg.run.seed, alphabet=cfg.data.alphabet,
                             min_len=cfg.data.min_len, max_len=cfg.data.max_len)
     if cfg.data.task == "arith":
-        from asyncrl.arith import train_set
+        from asyncrl.tasks.arith import train_set
 
         return train_set(cfg)
     if cfg.data.task in ("gsm8k", "prompts"):
-        from asyncrl.data import load_dataset_from_config
+        from asyncrl.tasks.data import load_dataset_from_config
 
         return load_dataset_from_config(cfg.data)
     raise AssertionError(cfg.data.task)
@@ -122,7 +122,7 @@ class BufferService:
         # frames a little over the limit must still arrive here to be counted as `too_large`.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.buffer.max_frame_bytes + 2**20)
         self.sock.setsockopt(zmq.LINGER, 0)
-        from asyncrl.security import advertised_host, secure_server_socket
+        from asyncrl.protocol.security import advertised_host, secure_server_socket
 
         # Run token (PLAIN) or CURVE with known client keys, before bind; refusals are logged and counted.
         self.auth = secure_server_socket(cfg, self._ctx, self.sock, on_refuse=self._zap_refused)
@@ -173,7 +173,7 @@ class BufferService:
         self.client.set(self.keys.buffer_instance, self.instance)
         self.client.set(self.keys.ingest_addr, self.ingest_addr)
         log_event(self.client, self.keys, "buffer_start", addr=self.ingest_addr, instance=self.instance)
-        from asyncrl.exporter import start_exporter
+        from asyncrl.observe.exporter import start_exporter
 
         self.exporter = start_exporter(self.cfg, "buffer", client=self.client, keys=self.keys)  # /metrics
         log.info("buffer up: ingest=%s instance=%s prompts=%d capacity=%d", self.ingest_addr, self.instance,
@@ -242,7 +242,7 @@ class BufferService:
         if rows is None:
             raise schema.FrameError("unknown_prompt", f"prompt id {prompt_id!r} is not in this run's data")
         if epoch not in self._positions:
-            from asyncrl.tasks import epoch_order
+            from asyncrl.tasks.synthetic import epoch_order
 
             if len(self._positions) >= 4:  # a few epochs around the cursor; recomputed on a miss
                 self._positions.pop(next(iter(self._positions)))
@@ -430,7 +430,7 @@ class BufferService:
 
     def _start_notify(self) -> None:
         """The `version` wake-ups (learner steps, dropped groups) and the `fleet` ones (a generator's
-        held version moved) end the ingest poll (asyncrl/notify.py)."""
+        held version moved) end the ingest poll (asyncrl/protocol/notify.py)."""
         if not self.cfg.buffer.redis_url:  # a test's injected client: poll on the fallback tick alone
             return
         self.notify = NotifyPipe(self.cfg.buffer.redis_url, self.keys, ("version", "fleet")).start()
@@ -448,7 +448,7 @@ class BufferService:
         except RETRYABLE as e:
             if not self._stop.is_set():
                 raise
-            # Leaving during an outage (asyncrl/leaving.py bounds the retries): frames taken off the
+            # Leaving during an outage (asyncrl/launch/leaving.py bounds the retries): frames taken off the
             # socket and not stored are still in the generators' outboxes, which re-send them.
             log.warning("buffer leaves with Redis unreachable (%s): last counters not published", e)
         self._close()
@@ -492,7 +492,7 @@ class BufferService:
 
 
 def main(cfg: Config) -> None:
-    from asyncrl.leaving import Leaving
+    from asyncrl.launch.leaving import Leaving
 
     service = BufferService(cfg)
     leaving = Leaving("buffer", "buffer.drain_timeout_s", cfg.buffer.drain_timeout_s, service.stop).install()

@@ -2,7 +2,7 @@
 
 Why hand back rather than just exit: an abandoned lease would sit until `buffer.lease_timeout_s`
 expires before another generator may take the prompt. Handing it back re-queues it at once, with the
-same atomic script the buffer's reclaimer uses (asyncrl/store.py RECLAIM_REQUEUE: XACK + re-XADD +
+same atomic script the buffer's reclaimer uses (asyncrl/protocol/store.py RECLAIM_REQUEUE: XACK + re-XADD +
 XDEL), so a prompt is never both handed back and pushed twice: a late push dedupes on its group_id.
 """
 
@@ -12,8 +12,8 @@ import asyncio
 import logging
 import time
 
-from asyncrl.keys import PROMPT_GROUP
-from asyncrl.store import RECLAIM_REQUEUE
+from asyncrl.protocol.keys import PROMPT_GROUP
+from asyncrl.protocol.store import RECLAIM_REQUEUE
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Eval tasks share the generator's concurrency cap (`generator.max_concurrent_groups`) and its engine
 with training groups, so an eval round slows training a little but never stops it; it produces no
-trajectory. See asyncrl/evaluation.py for the protocol.
+trajectory. See asyncrl/tasks/evaluation.py for the protocol.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 
 import redis.asyncio as aioredis
 
-from asyncrl import schema
-from asyncrl.data import encode_prompt
-from asyncrl.evaluation import EVAL_GROUP, eval_prompts_key, eval_results_key
-from asyncrl.rewards import is_correct
+from asyncrl.protocol import schema
+from asyncrl.tasks.data import encode_prompt
+from asyncrl.tasks.evaluation import EVAL_GROUP, eval_prompts_key, eval_results_key
+from asyncrl.tasks.rewards import is_correct
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import Config
-from asyncrl.weight_sync import WeightReceiver
+from asyncrl.protocol.weight_sync import WeightReceiver
 from generators.engines import SampleOut, WeightUpdateStats
 
 log = logging.getLogger(__name__)

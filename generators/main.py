@@ -8,7 +8,7 @@ Leaving (SIGTERM or SIGINT, Redis up or down): the process is gone within
 `drain_timeout_s`; what is unfinished then is cancelled and its prompts handed back; ingest
 confirmations and the weight-group leave get what is left of the margin but LEAVE_RESERVE_S, which
 is kept for the leave record in Redis and the engine's shutdown. Every Redis call on the way out is
-bounded (EXIT_REDIS_S, and the leave deadline, asyncrl/leaving.py): once Redis has not answered,
+bounded (EXIT_REDIS_S, and the leave deadline, asyncrl/launch/leaving.py): once Redis has not answered,
 the remaining Redis steps are skipped and one line says what was left to the buffer's reclaimer
 (leased prompts come back when their leases expire, buffer.lease_timeout_s). The exit code is 0
 when the generator left by itself (in time, Redis up or down), 143 when the leave timer had to end
@@ -31,21 +31,21 @@ import traceback
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from asyncrl import notify, retry, schema, security
+from asyncrl.protocol import notify, retry, schema, security
 from asyncrl.config import Config
-from asyncrl.data import encode_prompt
-from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
+from asyncrl.tasks.data import encode_prompt
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys, aconnect
 from asyncrl.modes import may_generate
-from asyncrl.notify import AsyncNotifications
-from asyncrl.rewards import RewardPool, build_reward
-from asyncrl.sampling import heartbeat_fields
+from asyncrl.protocol.notify import AsyncNotifications
+from asyncrl.tasks.rewards import RewardPool, build_reward
+from asyncrl.algorithms.sampling import heartbeat_fields
 from generators.drain import hand_back
 from generators.evaluation import EvalWorker
 from generators.outbox import GroupOutbox
 
 log = logging.getLogger(__name__)
 
-# Waits end at once on a wake-up from the notify stream (asyncrl/notify.py); these bound them, so a
+# Waits end at once on a wake-up from the notify stream (asyncrl/protocol/notify.py); these bound them, so a
 # lost wake-up (Redis restart, a writer that does not publish one) costs at most this long.
 WEIGHTS_FALLBACK_S = 0.5  # re-read wgroup/wsync
 VERSION_FALLBACK_S = 0.5  # run.mode=sync: re-read the learner's version
@@ -64,7 +64,7 @@ class Generator:
         self.engine = engine
         self.reward_fn = build_reward(cfg.reward)
         self.rewards = RewardPool(self.reward_fn, cfg.reward.workers)  # off the event loop
-        self.evals = EvalWorker(self)  # eval rounds (asyncrl/evaluation.py), leased before training prompts
+        self.evals = EvalWorker(self)  # eval rounds (asyncrl/tasks/evaluation.py), leased before training prompts
         self.version = -1  # the policy version these weights are; -1 = none yet
         self.epoch = -1
         self.state = "starting"
@@ -83,7 +83,7 @@ class Generator:
         self.last_pause_s = 0.0
         self.num_syncs = 0
         self.started = time.monotonic()
-        from asyncrl.metrics import FleetTokenRate
+        from asyncrl.observe.metrics import FleetTokenRate
 
         self._rate_window, self._rate = FleetTokenRate(start=self.started), 0.0
         self.last_checksums: list[int] = []
@@ -101,7 +101,7 @@ class Generator:
         # Retries a lost Redis (restart) with backoff for buffer.redis_retry_s: every loop below rides it out.
         self.redis = await aconnect(self.cfg.buffer.redis_url, retry_s=self.cfg.buffer.redis_retry_s)
         self.notes = AsyncNotifications(self.cfg.buffer.redis_url, self.keys)  # its reader runs in run()
-        from asyncrl import sampling
+        from asyncrl.algorithms import sampling
 
         await sampling.check_generator(self.redis, self.keys, self.cfg.generator, self.id)  # before the engine
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
@@ -117,9 +117,9 @@ class Generator:
         self.ctx = zmq.asyncio.Context()
         # Pushed groups stay in the outbox until the buffer has ingested them (generators/outbox.py).
         self.outbox = GroupOutbox(self.redis, self.keys, self.id, self.cfg.buffer.lease_timeout_s, ctx=self.ctx,
-                                  secure=self._secure_socket, on_refused=self._refused)  # asyncrl/security.py
+                                  secure=self._secure_socket, on_refused=self._refused)  # asyncrl/protocol/security.py
         addr = await self.outbox.connect()
-        from asyncrl.exporter import exporter_field, start_exporter
+        from asyncrl.observe.exporter import exporter_field, start_exporter
 
         self.exporter = start_exporter(self.cfg, "generator", self.id)  # /metrics; URL published below
         if self.exporter is not None:
@@ -231,7 +231,7 @@ class Generator:
         else:
             outs = await sampled
         texts = [self.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs]
-        # On the reward threads; errors are caught per sample (asyncrl/rewards.py), counted and logged.
+        # On the reward threads; errors are caught per sample (asyncrl/tasks/rewards.py), counted and logged.
         rewards, errors = await self.rewards.score(texts, task.answer, row)
         samples = []
         for out, reward in zip(outs, rewards, strict=True):
@@ -468,7 +468,7 @@ class Generator:
             await pipe.execute()
 
     async def run(self) -> None:
-        from asyncrl.leaving import Leaving
+        from asyncrl.launch.leaving import Leaving
 
         self.auth_failure = None
         await self.start()

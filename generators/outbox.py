@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from asyncrl.keys import PROMPT_GROUP, Keys
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class GroupOutbox:
         self.lease_timeout_s = lease_timeout_s
         self.poll_s = poll_s
         self.ctx = ctx or zmq.asyncio.Context()
-        # secure(sock): run token / CURVE credentials (asyncrl/security.py); on_refused(error): the
+        # secure(sock): run token / CURVE credentials (asyncrl/protocol/security.py); on_refused(error): the
         # buffer refused them, which ZeroMQ alone would only show as sends that never arrive.
         self.secure, self.on_refused = secure, on_refused
         self._auth_watch: asyncio.Task | None = None
@@ -103,7 +103,7 @@ class GroupOutbox:
         self._sender = asyncio.create_task(self._send_loop(self.sock, self._queue))
 
     def _watch_auth(self, sock) -> None:
-        from asyncrl.security import auth_monitor, watch_auth
+        from asyncrl.protocol.security import auth_monitor, watch_auth
 
         self._stop_auth_watch()
         self._auth_mon = auth_monitor(sock)

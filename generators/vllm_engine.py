@@ -173,7 +173,7 @@ class VllmEngine:
         return samples
 
     async def join(self, epoch_frame: bytes, generator_id: str, timeout_s: float) -> bool:
-        from asyncrl import schema
+        from asyncrl.protocol import schema
 
         self.weights_backend = schema.decode(epoch_frame, schema.GroupEpoch).backend
         results = await self.engine.collective_rpc("asyncrl_join", args=(epoch_frame, generator_id, timeout_s))
@@ -239,7 +239,7 @@ class VllmEngine:
         cache from the old ones); abort: they are aborted and `generate_group` resubmits each with its
         tokens so far (re-prefilled under the new weights); drain: they finish first (vLLM's "wait").
         """
-        from asyncrl import schema
+        from asyncrl.protocol import schema
 
         version = schema.decode(announcement_frame, schema.WeightAnnouncement).version
         staged = self.cfg.weights.atomic and self.weights_backend == "gloo"

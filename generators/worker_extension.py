@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from asyncrl import schema
-from asyncrl.weight_sync import WeightReceiver
+from asyncrl.protocol import schema
+from asyncrl.protocol.weight_sync import WeightReceiver
 
 
 class AsyncRLWorkerExtension:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 
 
 @dataclass

@@ -107,7 +107,7 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
     tokens where the clipped term was the larger one, explained variance and mean of the old values
     (the whole step's), and the first update's gradient norm.
     """
-    from asyncrl.algorithms import aggregate_normalised
+    from asyncrl.algorithms.aggregation import aggregate_normalised
 
     alg, lc = cfg.algorithm, cfg.learner
     clip = alg.value_clip or float("inf")  # 0: off

@@ -14,8 +14,8 @@ import time
 
 import redis
 
-from asyncrl import schema
-from asyncrl.evaluation import (
+from asyncrl.protocol import schema
+from asyncrl.tasks.evaluation import (
     EVAL_GROUP,
     Round,
     eval_prompts_key,

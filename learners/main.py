@@ -2,7 +2,7 @@
 
 import sys
 
-from asyncrl.cli import main
+from asyncrl.launch.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["learner", *sys.argv[1:]]))

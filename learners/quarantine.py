@@ -1,6 +1,6 @@
 """Learner rank 0's defence in depth: a group it cannot train is moved aside, never trained, never fatal.
 
-The buffer validates every frame against the run (asyncrl/schema.py `validate_for_run`, and ids
+The buffer validates every frame against the run (asyncrl/protocol/schema.py `validate_for_run`, and ids
 against what it released), but the trajectories stream can also be written by anything holding the
 Redis password, by a buffer of another config, or hold entries from before an upgrade. A group
 that reached the learner and fails the same checks (or does not decode) would otherwise crash the
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 
-from asyncrl import schema
-from asyncrl.keys import LEARNER_GROUP, Keys, log_event
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import LEARNER_GROUP, Keys, log_event
 
 log = logging.getLogger(__name__)
 
 MAXLEN = 10_000  # dead-letter entries kept (approximate trim): the frames are evidence, not a queue
 
-# Move one entry: only if this call acks it (a retried script, asyncrl/retry.py, counts it once).
+# Move one entry: only if this call acks it (a retried script, asyncrl/protocol/retry.py, counts it once).
 QUARANTINE = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return 0
@@ -85,7 +85,7 @@ class Quarantine:
     def put(self, entry_id, group_id: str, error: schema.FrameError, frame: bytes) -> bool:
         """Moves one entry to the dead-letter stream (acked, counted, an event); False if it was
         already acked (nothing moved)."""
-        from asyncrl.notify import MAXLEN as NOTIFY_MAXLEN
+        from asyncrl.protocol.notify import MAXLEN as NOTIFY_MAXLEN
 
         detail = str(error)[:500]
         moved = bool(self.client.eval(QUARANTINE, 4, self.keys.trajectories, self.keys.quarantine, self.keys.learner,

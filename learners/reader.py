@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import redis
 
-from asyncrl import retry, schema
+from asyncrl.protocol import retry, schema
 from asyncrl.config import Config
-from asyncrl.keys import LEARNER_GROUP, Keys, log_event
-from asyncrl.store import ack_dropped
+from asyncrl.protocol.keys import LEARNER_GROUP, Keys, log_event
+from asyncrl.protocol.store import ack_dropped
 
 log = logging.getLogger(__name__)
 

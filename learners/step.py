@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from asyncrl import advantages as adv_fns
-from asyncrl import kl as kl_fns
-from asyncrl import losses, torch_private
-from asyncrl import rollout_correction as rc
-from asyncrl.algorithms import aggregate_normalised
+from asyncrl.algorithms import advantages as adv_fns
+from asyncrl.algorithms import kl as kl_fns
+from asyncrl.algorithms import losses
+from asyncrl.protocol import torch_private
+from asyncrl.algorithms import rollout_correction as rc
+from asyncrl.algorithms.aggregation import aggregate_normalised
 from asyncrl.registry import ADVANTAGES
 from learners.batch import StepBatch, micro_batch
 from learners.logprobs import micro_logprobs, micro_logprobs_sum_pi2
@@ -116,7 +117,7 @@ class Targets:
 
 def rollout_correction(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConfig) -> tuple:
     """(keep_N or None, is_scale or None, stats): rejection sampling by pi_prox / mu and the batch
-    mean of the loss's IS weight over the kept tokens (asyncrl/rollout_correction.py)."""
+    mean of the loss's IS weight over the kept tokens (asyncrl/algorithms/rollout_correction.py)."""
     mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
     prox_ST, behav_ST = step.grid(prox_N), step.grid(step.behav_N.float())
     keep_ST, stats = mask_ST, {}
@@ -142,7 +143,7 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
                   ref_N: torch.Tensor | None = None, kl_coef: float = 0.0, values_N: torch.Tensor | None = None,
                   pad_id: int = 0) -> Targets:
     """Proximal log-probs (when needed), shaped rewards, advantages (algorithm.advantage, from the
-    registry in asyncrl/advantages.py), for GAE the returns, and the rollout corrections.
+    registry in asyncrl/algorithms/advantages.py), for GAE the returns, and the rollout corrections.
 
     With kl_in=reward the penalty kl_coef * KL(pi_prox || pi_ref) is a per-token reward. GAE runs
     over completion tokens with the (shaped) reward on each sequence's last token and the critic's
@@ -256,7 +257,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     or sequences (seq_mean_*) and divided by the mini-batch's count on all ranks, times the world
     size, since FSDP averages gradients over ranks; the accumulated gradient is the exact mini-batch
     gradient at any world size and any split into micro-batches. The loss is algorithm.loss
-    (asyncrl/losses.py), divided by the batch-mean IS weight with is_normalize, on the tokens
+    (asyncrl/algorithms/losses.py), divided by the batch-mean IS weight with is_normalize, on the tokens
     rejection sampling kept, + kl_coef * KL (kl_in=loss) - entropy_coef * exact entropy, each term
     aggregated by algorithm.aggregation. Returns this rank's statistics over the first epoch
     (token-weighted means, maxima), `loss` as this rank's part of the mean mini-batch loss (the

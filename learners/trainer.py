@@ -16,12 +16,12 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from asyncrl import fleet as fleet_rules
-from asyncrl import schema
+from asyncrl.protocol import fleet as fleet_rules
+from asyncrl.protocol import schema
 from asyncrl.config import Config
-from asyncrl.keys import LEARNER_GROUP, Keys, connect, log_event
-from asyncrl.store import ack_dropped, ensure_groups, group_lag, set_and_notify
-from asyncrl.weight_sync import SyncTimeout, WeightSender, checksum_mode, pack_buckets, plan_buckets, to_dtype
+from asyncrl.protocol.keys import LEARNER_GROUP, Keys, connect, log_event
+from asyncrl.protocol.store import ack_dropped, ensure_groups, group_lag, set_and_notify
+from asyncrl.protocol.weight_sync import SyncTimeout, WeightSender, checksum_mode, pack_buckets, plan_buckets, to_dtype
 from learners import packing
 from learners.batch import build_step
 from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
@@ -94,7 +94,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lc.lr,
                                            weight_decay=lc.weight_decay, fused=self.cuda and not lc.param_offload)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
-        from asyncrl.losses import AdaptiveKLController
+        from asyncrl.algorithms.losses import AdaptiveKLController
 
         alg = cfg.algorithm
         self.kl_ctl = AdaptiveKLController(alg.kl_coef, alg.kl_target or None, alg.kl_horizon)
@@ -243,7 +243,7 @@ class Learner:
         self.client = connect(cfg.buffer.redis_url)
         ensure_groups(self.client, self.keys)  # idempotent; the learner may start before the buffer
         self.client.delete(self.keys.stop, self.keys.stop_request)
-        from asyncrl import sampling
+        from asyncrl.algorithms import sampling
 
         # Refuse to start next to generators that sample differently; publish ours for late ones.
         sampling.check_fleet(self.client, self.keys, cfg.generator)
@@ -267,12 +267,12 @@ class Learner:
         self.sync_s = 0.0
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        from asyncrl.metrics import LearnerObservability
+        from asyncrl.observe.metrics import LearnerObservability
 
         self.obs = LearnerObservability(cfg, self.client, self.keys)  # jsonl/wandb/TensorBoard, /metrics
         from learners.evaluation import Evaluator
 
-        self.evaluator = Evaluator(cfg, self.client, start_version=self.version)  # eval rounds every eval.every steps (asyncrl/evaluation.py)
+        self.evaluator = Evaluator(cfg, self.client, start_version=self.version)  # eval rounds every eval.every steps (asyncrl/tasks/evaluation.py)
         log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world,
                   resumed_from=self.resumed_from or "")
         self.unacked: list = []
@@ -313,11 +313,11 @@ class Learner:
         return self.quarantine
 
     def read_fleet(self) -> dict[str, schema.Heartbeat]:
-        """One snapshot of the heartbeats (asyncrl/fleet.py): read once per decision and passed on."""
+        """One snapshot of the heartbeats (asyncrl/protocol/fleet.py): read once per decision and passed on."""
         return fleet_rules.read_fleet(self.client, self.keys)
 
     def live_members(self, fleet: dict[str, schema.Heartbeat] | None = None) -> list[str]:
-        """The weight-group members of `fleet` (a fresh read when None) that asyncrl/fleet.py
+        """The weight-group members of `fleet` (a fresh read when None) that asyncrl/protocol/fleet.py
         admits; each refusal is warned about once per generator and logged as an event."""
         if getattr(self, "admission", None) is None:  # built on first use
             self.admission = fleet_rules.Admission(self.cfg, self.client, self.keys)
@@ -396,7 +396,7 @@ class Learner:
                 self.verify_reference_frozen()
             self.version += 1
             self.step += 1
-            if self.rank == 0:  # wakes the buffer's admission and sync-mode generators (asyncrl/notify.py)
+            if self.rank == 0:  # wakes the buffer's admission and sync-mode generators (asyncrl/protocol/notify.py)
                 set_and_notify(self.client, self.keys, self.keys.version, self.version, "version")
             sync_s = 0.0
             if self.version % self.cfg.weights.sync_every == 0:
@@ -518,7 +518,7 @@ class Learner:
 
     def verify_fleet_weights(self, fleet: dict[str, schema.Heartbeat]) -> None:
         """The weights each generator reports holding must be the ones we sent for that version
-        (asyncrl/fleet.py `WeightCheck`). A mismatch is an error event, not silence."""
+        (asyncrl/protocol/fleet.py `WeightCheck`). A mismatch is an error event, not silence."""
         for gid, version, got, sent in self.weight_check.check(fleet, self.version):
             log.error("generator %s reports version %d with checksums %s, learner sent %s", gid, version, got, sent)
             self._event("weights_mismatch", id=gid, version=version)
@@ -646,7 +646,7 @@ class Learner:
                 lags.extend((trained_version - schema.unpack_i32(s.versions)).tolist())
         rewards = [s.reward for g in groups for s in g.samples]
         if getattr(self, "gen_rate", None) is None:
-            from asyncrl.metrics import FleetTokenRate
+            from asyncrl.observe.metrics import FleetTokenRate
 
             self.gen_rate = FleetTokenRate(start=self.t_start)
         counters = {gid: float(hb.tokens) for gid, hb in fleet.items()}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import zmq
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.keys import PROMPT_GROUP, Keys, aconnect
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys, aconnect
 from buffers.service import BufferService
 from generators.outbox import GroupOutbox
 from tests.helpers import make_group

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.redis_server import LocalRedis
+from asyncrl.launch.redis_server import LocalRedis
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -24,7 +24,7 @@ def redis_server(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from asyncrl.tiny_model import write_tiny_model
+    from asyncrl.tools.tiny_model import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, warm_start_steps=30))
 

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from asyncrl import schema
-from asyncrl.weight_sync import WeightSender, pack_buckets, plan_buckets
+from asyncrl.protocol import schema
+from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
 
 
 def perturbed_state(model_path: str, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 import contextlib
 import time
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 
 
 @contextlib.contextmanager
@@ -55,13 +55,13 @@ class Procs:
         return (self.log_dir / f"{name}.log").read_text()
 
     def kill(self, name, sig=9):
-        from asyncrl.launcher import kill_tree
+        from asyncrl.launch.launcher import kill_tree
 
         kill_tree(self.procs[name].pid, sig)
         self.procs[name].wait(timeout=60)
 
     def close(self):
-        from asyncrl.launcher import kill_tree
+        from asyncrl.launch.launcher import kill_tree
 
         for p in self.procs.values():
             if p.poll() is None:

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from asyncrl.redis_server import free_port
+from asyncrl.launch.redis_server import free_port
 
 CONF = """\
 ClusterName=asyncrltest

@@ -11,10 +11,10 @@ import time
 import psutil
 import pytest
 
-from asyncrl.affinity import check_available, format_cpus, parse_cpus, role_env
+from asyncrl.launch.affinity import check_available, format_cpus, parse_cpus, role_env
 from asyncrl.config import ConfigError, load_config
-from asyncrl.launcher import Launcher
-from asyncrl.redis_server import LocalRedis
+from asyncrl.launch.launcher import Launcher
+from asyncrl.launch.redis_server import LocalRedis
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs to pin roles apart")
@@ -133,7 +133,7 @@ def test_launcher_pins_each_role_tree_and_its_redis(tmp_path, monkeypatch):
 def test_a_role_started_on_its_own_pins_itself(tmp_path, redis_server):
     """`asyncrl buffer` launched unpinned (as Slurm or a benchmark does) applies buffer.cpus itself."""
     cpu = ALLOWED[-1]
-    from asyncrl.keys import Keys, connect
+    from asyncrl.protocol.keys import Keys, connect
 
     keys, client = Keys("pin"), connect(redis_server.url)
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "buffer", f"run.dir={tmp_path}", "run.name=pin",
@@ -185,7 +185,7 @@ def test_a_pinned_run_keeps_vllm_and_torchrun_on_their_cpus(tmp_path, tiny_model
         for pid, (cmd, cpus, env) in seen.items():
             role = ("redis-server" if "redis-server" in cmd else "generator" if "VLLM_CPU_OMP_THREADS_BIND" in env
                     and env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind" else
-                    "learner" if "torch.distributed.run" in cmd or "asyncrl.listen" in cmd or "RANK" in env else
+                    "learner" if "torch.distributed.run" in cmd or "asyncrl.launch.listen" in cmd or "RANK" in env else
                     "buffer" if " buffer " in f"{cmd} " else None)
             if role:
                 by_role[role].append(pid)
@@ -209,6 +209,6 @@ def test_a_pinned_run_keeps_vllm_and_torchrun_on_their_cpus(tmp_path, tiny_model
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            from asyncrl.launcher import kill_tree
+            from asyncrl.launch.launcher import kill_tree
 
             kill_tree(proc.pid, 9)

@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from asyncrl.advantages import grpo as grpo_advantages
-from asyncrl.algorithms import aggregate, token_logprobs
-from asyncrl.losses import decoupled_ppo
+from asyncrl.algorithms.advantages import grpo as grpo_advantages
+from asyncrl.algorithms.aggregation import aggregate, token_logprobs
+from asyncrl.algorithms.losses import decoupled_ppo
 
 
 def test_grpo_advantages_by_hand():

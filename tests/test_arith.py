@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.arith import arith_problems, arith_reward, eval_set, extract_integer, operand_range, train_set
+from asyncrl.tasks.arith import arith_problems, arith_reward, eval_set, extract_integer, operand_range, train_set
 from asyncrl.config import ConfigError, load_config
-from asyncrl.evaluation import load_eval_set
-from asyncrl.rewards import build_reward, is_correct
+from asyncrl.tasks.evaluation import load_eval_set
+from asyncrl.tasks.rewards import build_reward, is_correct
 
 
 def _cfg(*overrides):

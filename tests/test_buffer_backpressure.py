@@ -11,9 +11,9 @@ import time
 
 import zmq
 
-from asyncrl import schema
-from asyncrl.keys import PROMPT_GROUP, Keys
-from asyncrl.store import LEARNER_GROUP, group_lag
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys
+from asyncrl.protocol.store import LEARNER_GROUP, group_lag
 from tests.buffer_support import REPO, buffer_cfg, push, start_thread, stream_group_ids, wait_for
 from tests.helpers import make_group
 
@@ -92,7 +92,7 @@ def test_full_buffer_holds_the_senders_at_the_high_water_mark(tmp_path, redis_se
 
 LEASE_HOLDER = """
 import sys, time, redis
-from asyncrl.keys import Keys, PROMPT_GROUP
+from asyncrl.protocol.keys import Keys, PROMPT_GROUP
 k = Keys(sys.argv[2]); r = redis.Redis.from_url(sys.argv[1])
 got = r.xreadgroup(PROMPT_GROUP, "doomed-gen", {k.prompts: ">"}, count=3, block=5000)
 print(len(got[0][1]), flush=True)

@@ -5,9 +5,9 @@ import time
 
 import zmq
 
-from asyncrl import schema, security
-from asyncrl.keys import PROMPT_GROUP, Keys
-from asyncrl.store import LEARNER_GROUP
+from asyncrl.protocol import schema, security
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys
+from asyncrl.protocol.store import LEARNER_GROUP
 from buffers.service import BufferService, admission_budget, admission_version
 from tests.helpers import make_group
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from asyncrl import schema
-from asyncrl.keys import Keys, connect
-from asyncrl.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_pending
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.protocol.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_pending
 from learners.reader import TrajectoryReader
 from tests.buffer_support import buffer_cfg
 from tests.helpers import make_group

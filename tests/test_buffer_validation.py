@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from tests.buffer_support import buffer_cfg, push, start_thread, stream_group_ids, wait_for
 from tests.helpers import make_group
 

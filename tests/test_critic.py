@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import ConfigError, dump_yaml, load_config
-from asyncrl.keys import Keys, connect
-from asyncrl.redis_server import LocalRedis
-from asyncrl.store import LEARNER_GROUP, ensure_groups
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from learners import packing
 from learners.batch import build_batch, build_step
 from learners.critic import critic_update, load_value_model, old_values, values_BT

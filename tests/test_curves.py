@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launcher import local_weights_backend
+from asyncrl.launch.launcher import local_weights_backend
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def test_plot_draws_held_out_accuracy_against_steps_and_wall_time(tmp_path):
 
 
 def test_plot_without_evaluation_rounds_draws_no_accuracy(tmp_path):
-    from asyncrl.plot import plot_run
+    from asyncrl.observe.plot import plot_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -99,7 +99,7 @@ def test_the_starting_weights_are_evaluated_only_when_training_starts_from_them(
 def test_a_node_name_that_resolves_to_loopback_is_refused_for_a_multi_node_listener(monkeypatch):
     import socket
 
-    from asyncrl import listen
+    from asyncrl.launch import listen
 
     def resolve(host, port, type=0):  # Debian's /etc/hosts: 127.0.1.1 <hostname>
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", port))]

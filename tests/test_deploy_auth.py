@@ -14,9 +14,9 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
-from asyncrl import schema, security
-from asyncrl.keys import Keys, connect
-from asyncrl.redis_server import LocalRedis
+from asyncrl.protocol import schema, security
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.launch.redis_server import LocalRedis
 from tests.helpers import Procs, make_group
 
 
@@ -103,7 +103,7 @@ def test_run_token_refused_and_generator_outbox_notices(tmp_path, make_cfg, redi
         wrong_cfg = make_cfg("run.name=auth", f"deploy.run_token_file={wrong_file}", redis=redis_server)
 
         async def outbox_refused():
-            from asyncrl.keys import aconnect
+            from asyncrl.protocol.keys import aconnect
 
             aredis = await aconnect(redis_server.url)
             refused = asyncio.get_running_loop().create_future()
@@ -150,7 +150,7 @@ def test_redis_password_required_and_read_from_file(tmp_path):
         finally:
             security.set_redis_password_file("")
         # A role process that is not given the file is refused at start, with the URL in the message.
-        res = subprocess.run([sys.executable, "-c", "from asyncrl.keys import connect; import sys; "
+        res = subprocess.run([sys.executable, "-c", "from asyncrl.protocol.keys import connect; import sys; "
                               f"connect({server.address_url!r})"], capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and "Authentication" in res.stderr + res.stdout
     finally:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from asyncrl.keys import Keys, connect
+from asyncrl.protocol.keys import Keys, connect
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_local_scale_up_and_down(tmp_path, tiny_model):
         assert launcher.wait(timeout=300) == 0, log()
     finally:
         if launcher.poll() is None:
-            from asyncrl.launcher import kill_tree
+            from asyncrl.launch.launcher import kill_tree
 
             kill_tree(launcher.pid, 9)
         out.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.redis_server import free_port
+from asyncrl.launch.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +147,7 @@ def test_ray_job_stop_leaves_no_process_of_the_run_behind(ray_head, tmp_path, ti
         if submit.poll() is None:
             submit.kill()
         log.close()
-        from asyncrl.launcher import kill_tree
+        from asyncrl.launch.launcher import kill_tree
 
         for p in _processes_of(str(run_dir), {os.getpid()}):
             kill_tree(int(p.split(":")[0]), 9)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from asyncrl.elastic import parse_delta
+from asyncrl.launch.elastic import parse_delta
 
 
 def _dry_run(tmp_path, *args, overrides=()):
@@ -23,7 +23,7 @@ def test_dry_run_multi_node_scripts(tmp_path):
     out = _dry_run(tmp_path, "--learner-nodes", "2", "--gpus-per-node", "8", "--partition", "gpu",
                    overrides=["deploy.bind_host=0.0.0.0"])
     core, learner, generator = out.split("# ---- ")[1:4]
-    assert "--job-name=asyncrl-r1-core" in core and "asyncrl.deploy_core core" in core
+    assert "--job-name=asyncrl-r1-core" in core and "asyncrl.launch.deploy_core core" in core
     assert "#SBATCH --nodes=2" in learner and "#SBATCH --gpus-per-node=8" in learner
     assert "--nnodes 2" in learner and "--nproc-per-node 4" in learner and "scontrol show hostnames" in learner
     assert "srun" in learner and "--rdzv-backend c10d" in learner

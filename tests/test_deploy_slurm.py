@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from asyncrl.keys import Keys, connect
+from asyncrl.protocol.keys import Keys, connect
 from tests import slurm_cluster
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cli import parse_args
+from asyncrl.launch.cli import parse_args
 from asyncrl.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,8 +65,8 @@ def test_bad_inputs_at_the_door_are_one_line_exit_2_and_start_nothing(tmp_path):
 
 
 def test_redis_password_missing_or_wrong_is_named(tmp_path):
-    from asyncrl.redis_server import LocalRedis
-    from asyncrl.security import write_secret
+    from asyncrl.launch.redis_server import LocalRedis
+    from asyncrl.protocol.security import write_secret
 
     with LocalRedis(tmp_path / "redis", password="s3cret") as server:
         url = server.address_url  # no password in the URL

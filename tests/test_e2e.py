@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from asyncrl.config import dump_yaml
-from asyncrl.redis_server import LocalRedis
+from asyncrl.launch.redis_server import LocalRedis
 
 
 def _metrics(run_dir):
@@ -66,7 +66,7 @@ def test_separate_processes_two_generators_two_learner_ranks(tmp_path, tiny_mode
         spawn("g0", [*py, "generator", str(cfg_path), "--id", "g0"])
         spawn("g1", [*py, "generator", str(cfg_path), "--id", "g1"])
         # Both generators up first, each leasing at most 4 groups at a time: both must contribute.
-        from asyncrl.keys import Keys, connect
+        from asyncrl.protocol.keys import Keys, connect
 
         client, keys = connect(redis.url), Keys("split")
         deadline = time.time() + 600

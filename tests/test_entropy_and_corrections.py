@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.rollout_correction import rejection_mask
+from asyncrl.algorithms.rollout_correction import rejection_mask
 from learners.batch import build_step
 from learners.logprobs import ChunkedLinearLogprob
 from learners.step import batch_targets, policy_update

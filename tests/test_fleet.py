@@ -1,14 +1,14 @@
-"""Generator heartbeats (asyncrl/schema.py `Heartbeat`) and the learner's view of the fleet
-(asyncrl/fleet.py): one pipelined read, admission, weight verification."""
+"""Generator heartbeats (asyncrl/protocol/schema.py `Heartbeat`) and the learner's view of the fleet
+(asyncrl/protocol/fleet.py): one pipelined read, admission, weight verification."""
 
 from __future__ import annotations
 
 import logging
 
-from asyncrl import fleet, schema, security
+from asyncrl.protocol import fleet, schema, security
 from asyncrl.config import load_config
-from asyncrl.keys import Keys, connect
-from asyncrl.schema import Heartbeat
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.protocol.schema import Heartbeat
 
 
 def _events(client, keys: Keys) -> list[tuple[str, str]]:
@@ -40,7 +40,7 @@ def test_a_malformed_heartbeat_is_skipped_with_one_warning(redis_server, caplog)
     client.hset(keys.gen("v"), mapping={"id": "v", "version": "abc"})
     client.hset(keys.gen("c"), mapping={"id": "c", "version": 1, "checksums": "1,x"})
     client.hset(keys.gen("anon"), mapping={"state": "generating"})  # no id
-    with caplog.at_level(logging.WARNING, logger="asyncrl.fleet"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.protocol.fleet"):
         for _ in range(3):
             assert list(fleet.read_fleet(client, keys)) == ["good"]
     warned = sorted(r.getMessage().split()[1] for r in caplog.records)

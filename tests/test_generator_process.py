@@ -12,10 +12,12 @@ import time
 import pytest
 import torch
 
-from asyncrl import sampling, schema
+from asyncrl.algorithms import sampling
+
+from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml
-from asyncrl.keys import PROMPT_GROUP, Keys, connect
-from asyncrl.weight_sync import WeightSender, pack_buckets, plan_buckets
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys, connect
+from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
 from tests.buffer_support import BufferProcess, wait_for
 from tests.gen_support import perturbed_state
 from tests.helpers import Procs
@@ -110,7 +112,7 @@ def test_generator_leaves_at_once_when_the_run_is_over(make_cfg, redis_server, t
     """The learner set `stop` (the run is over) and the buffer left with it, so the generator holds
     groups nobody will confirm: it must leave at once (exit 0), not wait up to 60 s for ingest
     confirmations, which outlasted the launcher's 20 s grace (it was then killed)."""
-    from asyncrl.launcher import GRACE_S
+    from asyncrl.launch.launcher import GRACE_S
 
     cfg_path, keys, client, buffer, procs = _learner_side(
         make_cfg, redis_server, tmp_path, "over", "generator.backend=hf", "generator.max_tokens=8",

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import REPO_CONFIGS, ConfigError, load_config
-from asyncrl.data import encode_prompt, gsm8k_final_answer, load_prompt_file, prepare_gsm8k
-from asyncrl.evaluation import Round, load_eval_set, make_tasks, summarize
-from asyncrl.math_reward import MathReward, answers_match, extract_answer, normalize_answer, parse_number
-from asyncrl.rewards import build_reward, is_correct
+from asyncrl.tasks.data import encode_prompt, gsm8k_final_answer, load_prompt_file, prepare_gsm8k
+from asyncrl.tasks.evaluation import Round, load_eval_set, make_tasks, summarize
+from asyncrl.tasks.math_reward import MathReward, answers_match, extract_answer, normalize_answer, parse_number
+from asyncrl.tasks.rewards import build_reward, is_correct
 
 GSM8K = Path(__file__).resolve().parent / "data" / "gsm8k"  # a few rows of each split (README.md there)
 NUM_TRAIN, NUM_TEST = 16, 30

@@ -7,8 +7,8 @@ from __future__ import annotations
 import zmq
 import zmq.auth
 
-from asyncrl import schema, security
-from asyncrl.keys import Keys, connect
+from asyncrl.protocol import schema, security
+from asyncrl.protocol.keys import Keys, connect
 from tests.buffer_support import BufferProcess, buffer_cfg, wait_for
 from tests.helpers import make_group
 
@@ -74,7 +74,7 @@ def test_refused_handshakes_are_counted_per_reason_and_logged_once_per_reason(tm
         assert c["reject:auth_wrong_server_key"] > 1, "a retrying peer is counted on every refused attempt"
         assert log.count("total auth_wrong_server_key=") == 1, "... and logged once in the interval"
 
-        from asyncrl.status import snapshot
+        from asyncrl.observe.status import snapshot
 
         snap = snapshot(client, keys, cfg)
         assert snap["buffer"]["auth_refused"] >= c["auth_refused"]

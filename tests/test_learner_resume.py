@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.keys import Keys, connect
-from asyncrl.launcher import kill_tree
-from asyncrl.redis_server import LocalRedis
-from asyncrl.store import LEARNER_GROUP, ensure_groups
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.launch.launcher import kill_tree
+from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from tests.helpers import fixed_groups
 
 STEPS, GROUPS = 6, 4

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.keys import Keys, connect
-from asyncrl.redis_server import LocalRedis
-from asyncrl.store import ensure_groups
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.store import ensure_groups
 from tests.helpers import fixed_groups
 
 
@@ -102,7 +102,7 @@ def test_every_algorithm_switch_trains(tmp_path, tiny_model, name):
 @pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp"])
 def test_world_size_2_makes_the_same_update_as_world_size_1(tmp_path, tiny_model, advantage):
     """grpo: group baselines, local to each rank's whole groups; reinforce_pp: whitened over the
-    whole batch, so the ranks must sum its moments (asyncrl/advantages.py whiten)."""
+    whole batch, so the ranks must sum its moments (asyncrl/algorithms/advantages.py whiten)."""
     from safetensors.torch import load_file
 
     common = ["checkpoint.export_hf=true", f"algorithm.advantage={advantage}"]

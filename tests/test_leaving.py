@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from asyncrl.keys import Keys, connect
-from asyncrl.redis_server import LocalRedis
-from asyncrl.retry import LoudRetry
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.retry import LoudRetry
 from tests.buffer_support import REPO, BufferProcess, buffer_cfg, wait_for
 
 DRAIN_S = 4.0
@@ -51,7 +51,7 @@ def _group_gone(pgid: int) -> bool:
 
 
 def test_a_leaving_process_retries_a_lost_redis_only_until_its_deadline(tmp_path):
-    from asyncrl import retry
+    from asyncrl.protocol import retry
 
     with LocalRedis(tmp_path / "redis") as redis:
         import redis as redis_py

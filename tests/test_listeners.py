@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl.listen import master_store
+from asyncrl.launch.listen import master_store
 
 
 def test_master_store_listens_on_the_given_host_only():
@@ -70,7 +70,7 @@ def test_a_live_run_listens_on_loopback_only_and_ctrl_c_ends_it_in_5_s(tmp_path,
         assert "Traceback" not in err, err[-3000:]
         assert seconds < 5.0, f"Ctrl-C took {seconds:.1f}s"
     finally:
-        from asyncrl.launcher import kill_tree
+        from asyncrl.launch.launcher import kill_tree
 
         for p in [launcher, *tree]:
             kill_tree(p.pid, signal.SIGKILL)  # a failed assertion leaves nothing running

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.advantages import grpo as grpo_advantages
-from asyncrl.algorithms import aggregate, token_logprobs
+from asyncrl.algorithms.advantages import grpo as grpo_advantages
+from asyncrl.algorithms.aggregation import aggregate, token_logprobs
 from asyncrl.config import Config
-from asyncrl.losses import decoupled_ppo
-from asyncrl.tiny_model import tiny_config
+from asyncrl.algorithms.losses import decoupled_ppo
+from asyncrl.tools.tiny_model import tiny_config
 from learners.logprobs import linear_logprobs, sequence_logprobs
 from learners.step import policy_update
 from tests.helpers import gloo_group

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from asyncrl import advantages as A
-from asyncrl import losses as L
+from asyncrl.algorithms import advantages as A
+from asyncrl.algorithms import losses as L
 from tests.helpers import gloo_group
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import load_config
-from asyncrl.tiny_model import tiny_config
+from asyncrl.tools.tiny_model import tiny_config
 from learners import packing
 from learners.batch import build_step, micro_batch
 from learners.logprobs import micro_logprobs

@@ -18,9 +18,9 @@ import pytest
 import redis as redispy
 import yaml
 
-from asyncrl import schema, security
+from asyncrl.protocol import schema, security
 from asyncrl.config import DEFAULT_CONFIG, load_config
-from asyncrl.keys import Keys
+from asyncrl.protocol.keys import Keys
 from tests import multihost
 from tests.helpers import Procs
 
@@ -300,7 +300,7 @@ def test_a_weight_store_bound_to_all_interfaces_publishes_a_reachable_address():
     never 0.0.0.0, which a generator on another node would read as itself."""
     import socket
 
-    from asyncrl.weight_sync import WeightSender
+    from asyncrl.protocol.weight_sync import WeightSender
 
     for advertise, expected in (("10.231.0.1", "10.231.0.1"), ("", socket.gethostname())):
         sender = WeightSender("0.0.0.0", 0, "gloo", join_timeout_s=5, sync_timeout_s=5, advertise=advertise)
@@ -314,7 +314,7 @@ def test_a_weight_store_bound_to_all_interfaces_publishes_a_reachable_address():
 
 
 def test_ray_roles_bind_the_address_of_the_node_ray_placed_them_on():
-    from asyncrl.deploy_ray import node_bind_overrides
+    from asyncrl.launch.deploy_ray import node_bind_overrides
 
     assert node_bind_overrides(load_config(None, []), "10.231.0.2") == []  # loopback: one node
     named = load_config(None, ["deploy.bind_host=10.231.0.1", "buffer.bind_host=10.231.0.1"])
@@ -406,7 +406,7 @@ def test_ray_cluster_across_namespaces(hosts, tmp_path, tiny_model, record_prope
 
 
 def test_generator_resources_option_is_checked_with_one_line():
-    from asyncrl.deploy_ray import parse_resources
+    from asyncrl.launch.deploy_ray import parse_resources
 
     assert parse_resources("") == {} and parse_resources('{"host_b": 1}') == {"host_b": 1.0}
     for bad, needle in (("{", "not JSON"), ("[1]", "expected an object"), ('{"CPU": 1}', "--cpus-per-role"),

@@ -1,4 +1,4 @@
-"""Wake-ups through the notify stream (asyncrl/notify.py): a waiter returns within milliseconds of
+"""Wake-ups through the notify stream (asyncrl/protocol/notify.py): a waiter returns within milliseconds of
 the learner's announcement (the old polls took 50 ms), keeps doing so after a redis-server restart,
 and a state change that comes without a wake-up is still picked up at the fallback period."""
 
@@ -9,11 +9,11 @@ import statistics
 import threading
 import time
 
-from asyncrl import schema
-from asyncrl.keys import Keys, aconnect, connect
-from asyncrl.notify import AsyncNotifications
-from asyncrl.redis_server import LocalRedis
-from asyncrl.store import set_and_notify
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import Keys, aconnect, connect
+from asyncrl.protocol.notify import AsyncNotifications
+from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.store import set_and_notify
 from generators.main import WEIGHTS_FALLBACK_S, Generator
 from tests.buffer_support import buffer_cfg, start_thread, wait_for
 

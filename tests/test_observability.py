@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.exporter import Exporter, all_metric_names
-from asyncrl.keys import Keys, connect, log_event
-from asyncrl.store import ensure_groups
-from asyncrl.watchdog import Watchdog
+from asyncrl.observe.exporter import Exporter, all_metric_names
+from asyncrl.protocol.keys import Keys, connect, log_event
+from asyncrl.protocol.store import ensure_groups
+from asyncrl.observe.watchdog import Watchdog
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
@@ -130,7 +130,7 @@ def test_watchdog_learner_waiting_on_generators_waiting_on_weights(redis_server)
 def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from asyncrl.metrics import MetricsLogger
+    from asyncrl.observe.metrics import MetricsLogger
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "logging.backends=[tensorboard]"])
     logger = MetricsLogger(cfg)
@@ -146,7 +146,7 @@ def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
 
 
 def test_watchdog_sees_the_learner_stuck_inside_a_weight_broadcast(redis_server):
-    from asyncrl import schema
+    from asyncrl.protocol import schema
 
     cfg = _cfg(redis_server)
     client, keys = connect(redis_server.url), Keys(cfg.run.name)
@@ -175,7 +175,7 @@ def test_watchdog_names_the_generator_frozen_before_a_broadcast_not_the_learner_
     announced the next broadcast at t + 1 and waits for it. At t + timeout + 0.7 the generator's
     heartbeat is past the timeout and the learner's broadcast is not: the generator is the stall
     (the learner's clock inside a broadcast starts at the announcement, not at its last step)."""
-    from asyncrl import schema
+    from asyncrl.protocol import schema
 
     cfg = _cfg(redis_server)  # stall_timeout_s=5
     client, keys = connect(redis_server.url), Keys(cfg.run.name)
@@ -200,8 +200,8 @@ def test_watchdog_names_the_generator_frozen_before_a_broadcast_not_the_learner_
 
 
 def test_launcher_watchdog_rides_out_a_redis_outage(tmp_path):
-    from asyncrl.redis_server import LocalRedis
-    from asyncrl.watchdog import LauncherWatchdog
+    from asyncrl.launch.redis_server import LocalRedis
+    from asyncrl.observe.watchdog import LauncherWatchdog
 
     server = LocalRedis(tmp_path / "r").start()
     cfg = _cfg(server)
@@ -224,7 +224,7 @@ def test_process_state_tells_a_stopped_process_from_a_gone_one():
     import socket
     import subprocess
 
-    from asyncrl.watchdog import process_state
+    from asyncrl.observe.watchdog import process_state
 
     child = subprocess.Popen(["sleep", "30"])
     try:

@@ -24,7 +24,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.config import load_config
-from asyncrl.keys import Keys, connect
+from asyncrl.protocol.keys import Keys, connect
 
 STALENESS_KEYS = ("lag_mean", "lag_max", "sample_age_s", "is_weight_mean", "is_weight_max", "ess", "clip_frac",
                   "is_capped_frac", "masked_frac", "dropped_frac", "sync_s", "idle_ratio")

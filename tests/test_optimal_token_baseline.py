@@ -5,8 +5,8 @@ learner step through batch_targets."""
 import pytest
 import torch
 
-from asyncrl import schema
-from asyncrl.advantages import AdvantageInputs, estimate, optimal_token_baseline
+from asyncrl.protocol import schema
+from asyncrl.algorithms.advantages import AdvantageInputs, estimate, optimal_token_baseline
 from asyncrl.config import load_config
 from learners.batch import build_step
 from learners.step import batch_targets, logprobs_sum_pi2_N, policy_update, rank_micro_batches
@@ -111,7 +111,7 @@ def test_is_weights_scale_each_tokens_energy_by_rho_squared():
 
 
 def test_a_learner_step_with_is_weighted_optimal_token_baseline():
-    from asyncrl.losses import behaviour_weight_tis
+    from asyncrl.algorithms.losses import behaviour_weight_tis
 
     model = tiny_lm()
     groups = ragged_groups(4, seed=3)

@@ -12,11 +12,11 @@ import sys
 import msgspec
 import pytest
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.keys import Keys, connect
-from asyncrl.redis_server import LocalRedis
-from asyncrl.store import LEARNER_GROUP, ensure_groups
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from tests.buffer_support import push, start_thread, wait_for
 from tests.helpers import fixed_groups, make_group
 
@@ -117,6 +117,6 @@ def test_learner_quarantines_poison_on_the_fresh_and_the_recovery_path_and_finis
         kinds = [f[b"kind"] for _, f in client.xrange(keys.events)]
         assert kinds.count(b"quarantine") == 5
         assert "Traceback" not in text
-        from asyncrl.status import snapshot
+        from asyncrl.observe.status import snapshot
 
         assert snapshot(client, keys, cfg)["learner"]["quarantined"] == 5

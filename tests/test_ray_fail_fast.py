@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from asyncrl.deploy_ray import shortfall
+from asyncrl.launch.deploy_ray import shortfall
 from tests.test_deploy_ray import ray_head  # noqa: F401 - the fixture: a real local Ray head with 2 CPUs
 
 

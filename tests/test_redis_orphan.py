@@ -15,7 +15,7 @@ from tests.buffer_support import REPO
 
 STARTER = """
 import sys, time
-from asyncrl.redis_server import LocalRedis
+from asyncrl.launch.redis_server import LocalRedis
 r = LocalRedis(sys.argv[1]).start()
 print(r.proc.pid, flush=True)
 time.sleep(120)

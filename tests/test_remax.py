@@ -16,12 +16,12 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl import schema
-from asyncrl.advantages import AdvantageInputs, estimate, remax
+from asyncrl.protocol import schema
+from asyncrl.algorithms.advantages import AdvantageInputs, estimate, remax
 from asyncrl.config import AlgorithmConfig, ConfigError, load_config
-from asyncrl.keys import Keys, connect
-from asyncrl.redis_server import LocalRedis
-from asyncrl.store import LEARNER_GROUP, ensure_groups
+from asyncrl.protocol.keys import Keys, connect
+from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from generators.engines import SampleOut
 from tests.buffer_support import push, start_thread, wait_for
 from tests.helpers import fixed_groups, make_group
@@ -233,7 +233,7 @@ def test_generator_scores_one_greedy_completion_as_the_baseline_and_does_not_tra
                                                                                         advantage):
     from transformers import AutoTokenizer
 
-    from asyncrl.rewards import build_reward
+    from asyncrl.tasks.rewards import build_reward
     from generators.engines import Engine
     from generators.main import Generator
 

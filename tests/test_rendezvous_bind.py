@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 
 from asyncrl.config import load_config
-from asyncrl.deploy_ray import learner_argv
-from asyncrl.deploy_slurm import SlurmPlan, render
-from asyncrl.redis_server import free_port
+from asyncrl.launch.deploy_ray import learner_argv
+from asyncrl.launch.deploy_slurm import SlurmPlan, render
+from asyncrl.launch.redis_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def _slurm_torchrun_module(tmp_path, nodes: int) -> str:
 def test_slurm_and_ray_learners_start_torchrun_through_the_bound_store():
     cfg = load_config("configs/tiny.yaml", [])
     argv = learner_argv(cfg, 2, "10.0.0.5", 29400, "c.yaml", "redis://10.0.0.1:6379/0")
-    assert argv[1:3] == ["-m", "asyncrl.listen"] and "--rdzv-endpoint" in argv
+    assert argv[1:3] == ["-m", "asyncrl.launch.listen"] and "--rdzv-endpoint" in argv
     assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.5:29400"
 
 

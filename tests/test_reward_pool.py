@@ -6,7 +6,7 @@ import importlib
 import threading
 import time
 
-from asyncrl.rewards import RewardPool, UserReward, score_group
+from asyncrl.tasks.rewards import RewardPool, UserReward, score_group
 
 
 def _slow_sleep(completion: str, answer: str, **row) -> float:

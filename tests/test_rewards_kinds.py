@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from asyncrl.config import ConfigError
-from asyncrl.rewards import build_reward, score_group
+from asyncrl.tasks.rewards import build_reward, score_group
 
 
 def test_rule_based_rewards(make_cfg):
@@ -31,7 +31,7 @@ def test_user_function_by_dotted_path(make_cfg, tmp_path, monkeypatch, caplog):
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = build_reward(make_cfg("reward.function=my_rewards:score").reward)
     row = {"prompt": "Q: x", "prompt_id": "p1", "group_id": "p1@e0"}
-    with caplog.at_level(logging.WARNING, logger="asyncrl.rewards"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.tasks.rewards"):
         rewards, errors = score_group(fn, ["ab", "boom", "abc"], "ans", row)
     assert rewards == [12.0, 0.0, 13.0] and errors == 1
     assert "group=p1@e0 sample=1" in caplog.text and "user bug" in caplog.text

@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from asyncrl import sampling
+from asyncrl.algorithms import sampling
 from asyncrl.config import ConfigError
-from asyncrl.keys import Keys, aconnect, connect
+from asyncrl.protocol.keys import Keys, aconnect, connect
 
 
 def test_truncated_sampling_rejected_unless_allowed(make_cfg):

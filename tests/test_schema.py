@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from asyncrl import schema
+from asyncrl.protocol import schema
 from tests.helpers import make_group
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.simulate import MODES, SimConfig, calibrate, load_run, measured, retarget, simulate, sweep
+from asyncrl.tools.simulate import MODES, SimConfig, calibrate, load_run, measured, retarget, simulate, sweep
 
 DATA = Path(__file__).parent / "data"
 TOLERANCE = 0.15  # the stated accuracy of the model: throughput within 15% of a measured run
@@ -115,7 +115,7 @@ def test_predicts_the_other_mode_when_the_stages_have_their_own_cores(source, ta
 
 
 def test_winner_prefers_the_least_stale_mode_within_the_margin():
-    from asyncrl.simulate import winner
+    from asyncrl.tools.simulate import winner
 
     def rows(sync, off, asy):
         return [{"mode": "sync", "tokens_per_s": sync}, {"mode": "one_step_off", "tokens_per_s": off},

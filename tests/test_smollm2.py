@@ -37,7 +37,7 @@ def smollm2(request) -> str:
 
 
 def _chat_ids(tok, question: str) -> list[int]:
-    from asyncrl.data import encode_prompt
+    from asyncrl.tasks.data import encode_prompt
 
     return encode_prompt(tok, question, chat_template=True)
 
@@ -56,7 +56,7 @@ def _hf_greedy(model, tok, questions, max_tokens):
 def test_folder_is_a_plain_llama_model_that_answers(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.arith import arith_reward
+    from asyncrl.tasks.arith import arith_reward
     from asyncrl.models import MARKER
 
     config = json.loads(open(f"{smollm2}/config.json").read())
@@ -107,8 +107,8 @@ def test_vllm_matches_hf_greedy_after_push_of_the_tied_llama(make_cfg, smollm2):
     (fp32), and the checksums it reports are the ones sent."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl import schema
-    from asyncrl.weight_sync import WeightSender, pack_buckets, plan_buckets
+    from asyncrl.protocol import schema
+    from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
     from generators.vllm_engine import VllmEngine
     from learners.trainer import tied_aliases
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.metrics import FleetTokenRate
+from asyncrl.observe.metrics import FleetTokenRate
 
 
 def test_groups_longer_than_a_step_still_give_the_rate():

@@ -1,4 +1,4 @@
-"""The private torch APIs behind asyncrl/torch_private.py: all present in the installed torch, and
+"""The private torch APIs behind asyncrl/protocol/torch_private.py: all present in the installed torch, and
 each call still works through its public fallback when its private name is gone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl import torch_private, weight_sync
+from asyncrl.protocol import torch_private, weight_sync
 
 
 def test_every_private_api_used_is_in_the_installed_torch():
@@ -29,7 +29,7 @@ def _broadcast_works(pg) -> bool:
 def test_gloo_group_with_and_without_the_private_options(monkeypatch, caplog, without):
     if without:
         monkeypatch.setattr(dist.ProcessGroupGloo, "_Options", None)
-    with caplog.at_level(logging.WARNING, logger="asyncrl.torch_private"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.protocol.torch_private"):
         pg = torch_private.gloo_group(dist.HashStore(), 0, 1, timedelta(seconds=30), threads=3)
     assert _broadcast_works(pg)
     assert ("_Options" in caplog.text) is without, caplog.text

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from asyncrl import schema
-from asyncrl.weight_sync import WeightSender, pack_buckets, plan_buckets
+from asyncrl.protocol import schema
+from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
 
 PROMPTS = ["abc=", "hgfe=", "da=", "bbcd=", "x y z", "7+8="]
 
@@ -53,7 +53,7 @@ def _dying_sender(epochs, go):
                                     buckets=buckets, announced_at=time.time())
     go.put(schema.encode(ann))
     it = pack_buckets(buckets, iter(tensors.items()), torch.device("cpu"))
-    from asyncrl.weight_sync import _start_broadcast, _wait
+    from asyncrl.protocol.weight_sync import _start_broadcast, _wait
 
     _wait(_start_broadcast(sender.pg, next(it), 60), 60)
     os._exit(9)

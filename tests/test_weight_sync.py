@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from asyncrl.schema import SCHEMA_VERSION, WeightAnnouncement
-from asyncrl.weight_sync import WeightReceiver, WeightSender, pack_buckets, plan_buckets
+from asyncrl.protocol.schema import SCHEMA_VERSION, WeightAnnouncement
+from asyncrl.protocol.weight_sync import WeightReceiver, WeightSender, pack_buckets, plan_buckets
 
 
 def _tensors():
@@ -91,7 +91,7 @@ def _dies_mid_transfer(member_id, epochs, anns, up):
 
 
 def test_a_member_dying_mid_transfer_fails_the_broadcast_within_the_timeout():
-    from asyncrl.weight_sync import SyncTimeout
+    from asyncrl.protocol.weight_sync import SyncTimeout
 
     ctx = mp.get_context("spawn")
     epochs, anns, up = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -207,7 +207,7 @@ def test_a_member_gone_before_the_closing_all_reduce_fails_the_sync_but_the_othe
     """Every bucket reached both members, then one died: the learner's sync fails (it cannot know
     that everyone has the version), while the survivor keeps the complete, checksummed weights
     instead of dropping them, and leaves the broken group for the next epoch."""
-    from asyncrl.weight_sync import SyncTimeout
+    from asyncrl.protocol.weight_sync import SyncTimeout
 
     ctx = mp.get_context("spawn")
     epochs, anns, results, up = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()], ctx.Queue(), ctx.Queue()
@@ -244,7 +244,7 @@ def test_a_member_gone_before_the_closing_all_reduce_fails_the_sync_but_the_othe
 
 
 def bucket_checksum_of(bucket, tensors) -> int:
-    from asyncrl.weight_sync import bucket_checksum
+    from asyncrl.protocol.weight_sync import bucket_checksum
 
     (buf,) = pack_buckets([bucket], iter((m.name, tensors[m.name]) for m in bucket.tensors), torch.device("cpu"))
     return bucket_checksum(buf)
@@ -255,7 +255,7 @@ def test_packed_buckets_are_the_same_bytes_whatever_the_pool_held_before(monkeyp
     must give the same bytes, or a generator still holding an earlier broadcast of a version is
     reported as a mismatch against a later one (as happens after an epoch re-forms). The pool
     buffers come out of torch.empty; here every uint8 one is dirty, as reused memory can be."""
-    from asyncrl.weight_sync import bucket_checksum
+    from asyncrl.protocol.weight_sync import bucket_checksum
 
     real_empty = torch.empty
 
@@ -287,7 +287,7 @@ def test_packed_buckets_are_the_same_bytes_whatever_the_pool_held_before(monkeyp
 def test_bucket_checksum_is_the_wrapping_sum_of_words_on_the_numpy_and_the_torch_path():
     import struct
 
-    from asyncrl.weight_sync import bucket_checksum
+    from asyncrl.protocol.weight_sync import bucket_checksum
 
     # Words near 2**63 and 2**64 - 1: the sum wraps several times; signed and unsigned views must agree.
     words = [2**63 - 1, 2**63, 2**64 - 1, 12345, 2**62 + 7] * 9
@@ -301,7 +301,7 @@ def test_bucket_checksum_is_the_wrapping_sum_of_words_on_the_numpy_and_the_torch
 
 
 def test_sampled_checksum_reads_one_word_per_page_and_catches_the_protocol_failures():
-    from asyncrl.weight_sync import SAMPLE_STRIDE_WORDS, bucket_checksum, checksum_mode
+    from asyncrl.protocol.weight_sync import SAMPLE_STRIDE_WORDS, bucket_checksum, checksum_mode
 
     torch.manual_seed(0)
     weights = (torch.randn(4 * 2**20) * 0.02).to(torch.bfloat16)  # an 8 MiB matrix's bytes
@@ -327,7 +327,7 @@ def test_sampled_checksum_reads_one_word_per_page_and_catches_the_protocol_failu
     small_flipped = small.clone()
     small_flipped[100] ^= 1
     assert bucket_checksum(small, "sampled") == bucket_checksum(small) != bucket_checksum(small_flipped, "sampled")
-    from asyncrl.weight_sync import bucket_mode
+    from asyncrl.protocol.weight_sync import bucket_mode
 
     one, packed = plan_buckets([("w", torch.float32, (2**20,)), ("a", torch.float32, (8,)),
                                 ("b", torch.float32, (8,))], 2**20)

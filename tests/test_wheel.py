@@ -32,7 +32,7 @@ def test_built_wheel_installed_elsewhere_prints_the_default_config(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    probe = ("import asyncrl, asyncrl.config as c, asyncrl.deploy_slurm as d; "
+    probe = ("import asyncrl, asyncrl.config as c, asyncrl.launch.deploy_slurm as d; "
              "print(asyncrl.__file__); print(c.DEFAULT_CONFIG); print(d.TEMPLATES)")
     r = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
                        timeout=60)

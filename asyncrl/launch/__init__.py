@@ -1,0 +1,1 @@
+"""How processes start: the CLI, launchers, deploy back-ends (local, Slurm, Ray), Redis, affinity, elastic membership."""

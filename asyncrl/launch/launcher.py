@@ -1,0 +1,239 @@
+"""`asyncrl run`: Redis, buffer, generators and learner on one machine, supervised.
+
+Each child runs in its own process session so that teardown can signal its whole tree (vLLM's engine
+core, torchrun's ranks), pinned to its role's CPUs when `{generator,learner,buffer}.cpus` say so
+(asyncrl/launch/affinity.py: set before exec, inherited by the whole tree). Ctrl-C, SIGTERM or the first
+child failure tears everything down: SIGTERM, a grace period, then SIGKILL for whatever is left.
+Nothing outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.launch import affinity
+from asyncrl.config import Config, dump_yaml
+from asyncrl.launch.redis_server import LocalRedis, free_port
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 20.0
+
+
+def ensure_model(cfg: Config) -> str:
+    """Writes the tiny model when `model.path` is empty; safe when several roles race to do it."""
+    if cfg.model.path:
+        return cfg.model.path
+    path = Path(cfg.model_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".tiny-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "model.safetensors").exists():
+            from asyncrl.tools.tiny_model import write_tiny_model
+
+            log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny_warm_start_steps)
+            write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny_warm_start_steps,
+                             warm_start_lr=cfg.model.tiny_warm_start_lr, **cfg.tiny_shape())
+    return str(path)
+
+
+def local_weights_backend(cfg: Config) -> str:
+    """`weights.backend=auto` for the roles this launcher starts on one host: gloo.
+
+    Every local role sees the same GPUs and opens device 0, so the learner's rank 0 and a vLLM worker
+    share one GPU, where NCCL cannot hold both ranks ("Duplicate GPU detected"); the buckets then go
+    through host memory. An explicit `nccl` or `gloo` is kept."""
+    if cfg.weights.backend != "auto":
+        return cfg.weights.backend
+    log.info("weights.backend=auto -> gloo for a one-host run (on CUDA its roles share GPU 0, where NCCL cannot "
+             "hold two ranks)")
+    return "gloo"
+
+
+def learner_command(cfg: Config, config_path: str | None, overrides: list[str]) -> list[str]:
+    """torchrun on one node, through asyncrl.launch.listen: its rendezvous store listens on 127.0.0.1 only
+    (torchrun's own binds every interface whatever --master-addr says)."""
+    args = [config_path] if config_path else []
+    return [sys.executable, "-m", "asyncrl.launch.listen", "--nnodes", "1",
+            "--nproc-per-node", str(cfg.learner.nproc), "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), "-m", "learners.main", *args, *overrides]
+
+
+class Launcher:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.children: dict[str, subprocess.Popen] = {}
+        self.redis: LocalRedis | None = None
+        self._interrupted = False
+
+    def _spawn(self, name: str, argv: list[str], log_to_file: bool = True, role: str | None = None) -> None:
+        out = None
+        if log_to_file:
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            out = open(self.run_dir / "logs" / f"{name}.log", "ab")
+        cpus = affinity.cpus_of(self.cfg, role) if role else ()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(affinity.role_env(self.cfg, role) if role else {})}
+        self.children[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                               start_new_session=True, env=env, preexec_fn=affinity.preexec(cpus))
+        pinned = f", cpus {affinity.format_cpus(cpus)}" if cpus else ""
+        log.info("started %s (pid %d%s)", name, self.children[name].pid, pinned)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._interrupted = True
+        log.warning("received signal %d: tearing the run down", signum)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            self.teardown()
+
+    def _run(self) -> int:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not cfg.buffer.redis_url:
+            from asyncrl.protocol.security import redis_password
+
+            self.redis = LocalRedis(self.run_dir / "redis", appendfsync=cfg.buffer.appendfsync,
+                                    password=redis_password(), cpus=affinity.cpus_of(cfg, "buffer")).start()
+            cfg.buffer.redis_url = self.redis.address_url  # the password, if any, stays in its file
+            log.info("local redis-server at %s (AOF, appendfsync=%s)", self.redis.url, cfg.buffer.appendfsync)
+        from asyncrl.protocol.keys import Keys, connect
+
+        client = connect(cfg.buffer.redis_url)
+        keys = Keys(cfg.run.name)
+        self._stop_key = (cfg.buffer.redis_url, keys.stop)  # set at teardown: the run is over
+        if not cfg.run.resume:
+            # A fresh run: state left in this Redis by an earlier run of the same name would make the
+            # learner start at that run's version with fresh weights.
+            stale = list(client.scan_iter(f"asyncrl:{cfg.run.name}:*", count=1000))
+            if stale:
+                log.warning("fresh run: clearing %d keys of an earlier run named %r (run.resume=true keeps them)",
+                            len(stale), cfg.run.name)
+                client.delete(*stale)
+            stamp = int(time.time())
+            metrics = self.run_dir / "metrics.jsonl"
+            if metrics.exists():
+                metrics.rename(self.run_dir / f"metrics.{stamp}.jsonl")
+            if cfg.checkpoint_dir.exists() and not cfg.checkpoint.dir:
+                # A fresh run must not resume an earlier run's checkpoints; keep them aside.
+                cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
+        client.delete(keys.stop)
+        ensure_model(cfg)
+        cfg.weights.backend = local_weights_backend(cfg)
+        cfg_path = self.run_dir / "config.yaml"
+        cfg_path.write_text(dump_yaml(cfg))
+        py = [sys.executable, "-m", "asyncrl"]
+        self._spawn("buffer", [*py, "buffer", str(cfg_path)], role="buffer")
+        for i in range(cfg.generator.num_generators):
+            self._spawn(f"generator-g{i}", [*py, "generator", str(cfg_path), "--id", f"g{i}"], role="generator")
+        self._spawn("learner", learner_command(cfg, str(cfg_path), []), log_to_file=False, role="learner")
+        print(f"asyncrl run: {cfg.run.name} in {self.run_dir} | {cfg.generator.num_generators} generator(s), "
+              f"{cfg.learner.nproc} learner rank(s), {cfg.run.max_steps} steps | logs in {self.run_dir}/logs",
+              flush=True)
+        from asyncrl.observe.watchdog import launcher_watchdog
+
+        watchdog = launcher_watchdog(cfg, keys)  # None when run.stall_timeout_s is 0
+        from asyncrl.launch.elastic import LocalScaler
+
+        scaler = LocalScaler(self, client, keys, cfg_path)  # `asyncrl scale`: start/stop generator children
+        while True:
+            if self._interrupted:
+                return 130
+            if watchdog is not None and watchdog.poll() and cfg.run.on_stall == "fail":
+                log.error("run.on_stall=fail: stopping the stalled run")
+                return 3
+            scaler.poll()
+            learner = self.children["learner"]
+            code = learner.poll()
+            if code is not None:
+                if code != 0:
+                    log.error("learner exited with %d", code)
+                    return 1
+                self._wait_others_exit()
+                print(f"asyncrl run: done; metrics in {self.run_dir / 'metrics.jsonl'}", flush=True)
+                return 0
+            for name, child in self.children.items():
+                # Exit 0 is an orderly leave (the stop key, or a drained generator); only failures stop the run.
+                if (name != "learner" and name not in scaler.removed and (code := child.poll()) is not None
+                        and code != 0):
+                    log.error("%s exited with %d (see %s/logs/%s.log): stopping the run", name, code,
+                              self.run_dir, name)
+                    return 1
+            time.sleep(0.2)
+
+    def _wait_others_exit(self) -> None:
+        """After the learner finished it set the stop key; give the others a moment to leave cleanly."""
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline and any(c.poll() is None for c in self.children.values()):
+            time.sleep(0.2)
+
+    def _mark_run_over(self) -> None:
+        """Sets the run's `stop` key before the SIGTERMs, so generators leave at once (in-flight
+        groups handed back) instead of draining toward a buffer that is going down too (which held
+        Ctrl-C for the whole grace period). Best effort: one quick try, no retries."""
+        if getattr(self, "_stop_key", None) is None:
+            return
+        import redis
+
+        from asyncrl.protocol.keys import _auth_kwargs
+
+        url, key = self._stop_key
+        try:
+            redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1, retry=None,
+                                 **_auth_kwargs()).set(key, f"{time.time():.3f}")
+        except (redis.RedisError, OSError) as e:
+            log.info("could not mark the run over in Redis (%s): generators drain instead", e)
+
+    def teardown(self) -> None:
+        alive = {n: c for n, c in self.children.items() if c.poll() is None}
+        if alive:
+            self._mark_run_over()
+        for child in alive.values():
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline and any(c.poll() is None for c in alive.values()):
+            time.sleep(0.1)
+        for child in self.children.values():
+            # SIGKILL the whole session even if its leader already exited: grandchildren may remain.
+            _signal_group(child, signal.SIGKILL)
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("pid %d did not die", child.pid)
+        if self.redis:
+            self.redis.stop()
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    """Signals the child's session and every descendant: torchrun starts its ranks in sessions of
+    their own, so a session-wide kill alone would leave them running."""
+    kill_tree(child.pid, sig)
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass

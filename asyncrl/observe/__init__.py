@@ -1,0 +1,1 @@
+"""Seeing a run: metrics, the exporter, status, plots, inspection, the watchdog."""

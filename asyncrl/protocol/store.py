@@ -1,0 +1,155 @@
+"""Redis operations shared by the roles: stream set-up, atomic dedupe + append, stream depth, trimming."""
+
+from __future__ import annotations
+
+import redis
+
+from asyncrl.protocol.keys import LEARNER_GROUP, PROMPT_GROUP, Keys
+
+# Dedupe and append in one atomic step, so a crash between the two can neither lose a group
+# (marked seen, never appended) nor let a late duplicate in.
+DEDUPE_APPEND = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
+  redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
+  return 1
+end
+return 0
+"""
+
+SEEN_TTL_S = 7 * 24 * 3600
+
+# Every write below may run twice: a retried command (asyncrl/protocol/retry.py) can already have executed
+# before its connection broke. So each is idempotent, and each is one script, so a crash (or a
+# redis-server restart, which replays a prefix of its AOF) sees all of it or none of it.
+
+# Prompt release as compare-and-set on the cursor: a retry, or a second buffer instance racing
+# this one, finds `released` moved and adds nothing.
+RELEASE_PROMPTS = """
+if tonumber(redis.call('HGET', KEYS[1], 'released') or '0') ~= tonumber(ARGV[1]) then
+  return 0
+end
+for i = 5, #ARGV do
+  redis.call('XADD', KEYS[2], '*', 'data', ARGV[i])
+end
+redis.call('HSET', KEYS[1], 'epoch', ARGV[2], 'index', ARGV[3], 'released', ARGV[4])
+return 1
+"""
+
+# Re-queue of expired leases: only an entry this call acks is copied to the stream's tail, so a
+# retry (or a generator's late XACK) cannot requeue it twice.
+RECLAIM_REQUEUE = """
+local n = 0
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    local e = redis.call('XRANGE', KEYS[1], id, id)
+    if #e > 0 then
+      redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+      n = n + 1
+    end
+    redis.call('XDEL', KEYS[1], id)
+  end
+end
+return n
+"""
+
+# Acks groups dropped as stale and gives them back to the admission budget, counted by what XACK
+# actually acked (so a retry does not count twice); wakes the buffer (asyncrl/protocol/notify.py) when it did.
+ACK_DROPPED = """
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'dropped_groups', n)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'k', 'version')
+end
+return n
+"""
+
+
+def ensure_groups(client: redis.Redis, keys: Keys) -> None:
+    for stream, group in ((keys.prompts, PROMPT_GROUP), (keys.trajectories, LEARNER_GROUP)):
+        try:
+            client.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+
+def group_lag(client: redis.Redis, stream: str, group: str) -> int:
+    """Entries in `stream` not yet delivered to `group` (Redis >= 7 reports it as `lag`)."""
+    for info in client.xinfo_groups(stream):
+        if info["name"] in (group, group.encode()):
+            lag = info.get("lag")
+            if lag is None:  # lag is unknown after some deletions; fall back to an upper bound
+                return int(client.xlen(stream))
+            return int(lag)
+    return 0
+
+
+def group_pending(client: redis.Redis, stream: str, group: str) -> int:
+    return int(client.xpending(stream, group)["pending"])
+
+
+def dedupe_append(pipe, keys: Keys, group_id: str, frame: bytes) -> None:
+    """Queues the atomic dedupe + XADD of one frame on `pipe` (reply: 1 added, 0 duplicate).
+
+    Plain EVAL, not EVALSHA: a restarted redis-server has an empty script cache, and a retried
+    pipeline would hit NOSCRIPT; the script text is ~150 bytes next to frames of kilobytes.
+    """
+    pipe.eval(DEDUPE_APPEND, 2, keys.seen(group_id), keys.trajectories, frame, SEEN_TTL_S)
+
+
+def release_prompts(client: redis.Redis, keys: Keys, expected_released: int, epoch: int, index: int,
+                    frames: list[bytes]) -> bool:
+    """Appends `frames` to the prompts stream and moves the cursor, iff nobody moved it meanwhile."""
+    args = [expected_released, epoch, index, expected_released + len(frames), *frames]
+    return bool(client.eval(RELEASE_PROMPTS, 2, keys.cursor, keys.prompts, *args))
+
+
+def requeue_prompts(client: redis.Redis, keys: Keys, entry_ids: list) -> int:
+    if not entry_ids:
+        return 0
+    return int(client.eval(RECLAIM_REQUEUE, 1, keys.prompts, PROMPT_GROUP, *entry_ids))
+
+
+def ack_dropped(client: redis.Redis, keys: Keys, entry_ids: list) -> int:
+    if not entry_ids:
+        return 0
+    from asyncrl.protocol.notify import MAXLEN
+
+    return int(client.eval(ACK_DROPPED, 3, keys.trajectories, keys.learner, keys.notify, LEARNER_GROUP, MAXLEN,
+                           *entry_ids))
+
+
+def set_and_notify(client: redis.Redis, keys: Keys, key: str, value, kind: str) -> None:
+    """SET `key` and append the `kind` wake-up in one transaction (one round trip; never the
+    wake-up without the state it announces)."""
+    from asyncrl.protocol.notify import publish
+
+    pipe = client.pipeline(transaction=True)
+    pipe.set(key, value)
+    publish(pipe, keys, kind)
+    pipe.execute()
+
+
+def stream_id_ms(entry_id) -> int:
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(raw.split("-", 1)[0])
+
+
+def oldest_unacked_ms(client: redis.Redis, stream: str, group: str) -> int | None:
+    """Server time (ms) of the oldest entry the group has not acked (pending or undelivered), or None."""
+    oldest = None
+    summary = client.xpending(stream, group)
+    if summary["pending"]:
+        oldest = stream_id_ms(summary["min"])
+    else:
+        for info in client.xinfo_groups(stream):
+            if info["name"] in (group, group.encode()):
+                first = client.xrange(stream, min=f"({_as_str(info['last-delivered-id'])}", count=1)
+                if first:
+                    oldest = stream_id_ms(first[0][0])
+    return oldest
+
+
+def _as_str(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,1 @@
+"""What is learned: synthetic tasks, datasets, reward functions, reward models, evaluation."""
