@@ -260,10 +260,10 @@ def _wait_left(proc: subprocess.Popen, client, keys, timeout_s: float = 240) -> 
 def stages_alone(base: list[str], out_dir: Path, env: dict, steps: int, min_gen_s: float,
                  name: str = "bench-stages") -> dict:
     """Generator alone (no learner consuming), then the learner alone on what it generated."""
-    from asyncrl.protocol import schema
     from asyncrl.launch.affinity import cpus_of
-    from asyncrl.protocol.keys import Keys, connect
     from asyncrl.launch.redis_server import LocalRedis
+    from asyncrl.protocol import schema
+    from asyncrl.protocol.keys import Keys, connect
 
     probe = load_config(None, base)
     redis = LocalRedis(out_dir / "redis-stages", cpus=cpus_of(probe, "buffer")).start()  # as the launcher's

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncrl.protocol import schema
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.launch.redis_server import LocalRedis  # noqa: E402
+from asyncrl.protocol import schema
 
 NUM_GROUPS = {128: 4000, 1024: 1500, 8192: 150}
 MAX_ARG = 120_000  # Linux caps one command-line argument at 128 KiB: larger payloads use SET -d

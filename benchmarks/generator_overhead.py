@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 
 
 def run_generator(cfg, tmp: Path, num_prompts: int) -> dict:
-    from asyncrl.protocol import schema
     from asyncrl.config import dump_yaml
+    from asyncrl.protocol import schema
     from asyncrl.protocol.keys import Keys, connect
 
     cfg_path = tmp / "bench.yaml"

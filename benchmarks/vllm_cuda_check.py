@@ -18,8 +18,8 @@ import uuid
 
 import torch
 
-from asyncrl.protocol import schema
 from asyncrl.config import load_config
+from asyncrl.protocol import schema
 from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
 
 

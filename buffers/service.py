@@ -16,11 +16,11 @@ import uuid
 import redis
 import zmq
 
-from asyncrl.protocol import schema, store
 from asyncrl.config import Config
+from asyncrl.modes import admission_staleness
+from asyncrl.protocol import schema, store
 from asyncrl.protocol.fleet import admitted, read_fleet
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, connect, log_event
-from asyncrl.modes import admission_staleness
 from asyncrl.protocol.notify import NotifyPipe, publish
 from asyncrl.protocol.retry import RETRYABLE
 from asyncrl.protocol.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms

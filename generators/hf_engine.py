@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.protocol import schema
 from asyncrl.config import Config
+from asyncrl.protocol import schema
 from asyncrl.protocol.weight_sync import WeightReceiver
 from generators.engines import SampleOut, WeightUpdateStats
 

@@ -31,14 +31,14 @@ import traceback
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from asyncrl.protocol import notify, retry, schema, security
-from asyncrl.config import Config
-from asyncrl.tasks.data import encode_prompt
-from asyncrl.protocol.keys import PROMPT_GROUP, Keys, aconnect
-from asyncrl.modes import may_generate
-from asyncrl.protocol.notify import AsyncNotifications
-from asyncrl.tasks.rewards import RewardPool, build_reward
 from asyncrl.algorithms.sampling import heartbeat_fields
+from asyncrl.config import Config
+from asyncrl.modes import may_generate
+from asyncrl.protocol import notify, retry, schema, security
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys, aconnect
+from asyncrl.protocol.notify import AsyncNotifications
+from asyncrl.tasks.data import encode_prompt
+from asyncrl.tasks.rewards import RewardPool, build_reward
 from generators.drain import hand_back
 from generators.evaluation import EvalWorker
 from generators.outbox import GroupOutbox

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import redis
 
-from asyncrl.protocol import retry, schema
 from asyncrl.config import Config
+from asyncrl.protocol import retry, schema
 from asyncrl.protocol.keys import LEARNER_GROUP, Keys, log_event
 from asyncrl.protocol.store import ack_dropped
 

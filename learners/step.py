@@ -25,9 +25,9 @@ from torch import nn
 from asyncrl.algorithms import advantages as adv_fns
 from asyncrl.algorithms import kl as kl_fns
 from asyncrl.algorithms import losses
-from asyncrl.protocol import torch_private
 from asyncrl.algorithms import rollout_correction as rc
 from asyncrl.algorithms.aggregation import aggregate_normalised
+from asyncrl.protocol import torch_private
 from asyncrl.registry import ADVANTAGES
 from learners.batch import StepBatch, micro_batch
 from learners.logprobs import micro_logprobs, micro_logprobs_sum_pi2

@@ -16,12 +16,19 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from asyncrl.config import Config
 from asyncrl.protocol import fleet as fleet_rules
 from asyncrl.protocol import schema
-from asyncrl.config import Config
 from asyncrl.protocol.keys import LEARNER_GROUP, Keys, connect, log_event
 from asyncrl.protocol.store import ack_dropped, ensure_groups, group_lag, set_and_notify
-from asyncrl.protocol.weight_sync import SyncTimeout, WeightSender, checksum_mode, pack_buckets, plan_buckets, to_dtype
+from asyncrl.protocol.weight_sync import (
+    SyncTimeout,
+    WeightSender,
+    checksum_mode,
+    pack_buckets,
+    plan_buckets,
+    to_dtype,
+)
 from learners import packing
 from learners.batch import build_step
 from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import zmq
 
-from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
+from asyncrl.protocol import schema
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, aconnect
 from buffers.service import BufferService
 from generators.outbox import GroupOutbox

@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from asyncrl.launch.affinity import check_available, format_cpus, parse_cpus, role_env
 from asyncrl.config import ConfigError, load_config
+from asyncrl.launch.affinity import check_available, format_cpus, parse_cpus, role_env
 from asyncrl.launch.launcher import Launcher
 from asyncrl.launch.redis_server import LocalRedis
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl import registry
 from asyncrl.algorithms import advantages as A
 from asyncrl.algorithms import kl as K
 from asyncrl.algorithms import losses as L
-from asyncrl import registry
 from asyncrl.algorithms import rollout_correction as RC
 from asyncrl.algorithms.aggregation import aggregate, aggregate_normalised
 from asyncrl.config import AlgorithmConfig, ConfigError, load_config

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.tasks.arith import arith_problems, arith_reward, eval_set, extract_integer, operand_range, train_set
 from asyncrl.config import ConfigError, load_config
+from asyncrl.tasks.arith import (
+    arith_problems,
+    arith_reward,
+    eval_set,
+    extract_integer,
+    operand_range,
+    train_set,
+)
 from asyncrl.tasks.evaluation import load_eval_set
 from asyncrl.tasks.rewards import build_reward, is_correct
 

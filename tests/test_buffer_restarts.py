@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from asyncrl.launch.redis_server import LocalRedis, free_port
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, connect
-from asyncrl.launch.redis_server import LocalRedis, free_port
 from asyncrl.protocol.store import group_pending
 from tests.buffer_support import BufferProcess, LeasingPusher, buffer_cfg, stream_group_ids, wait_for
 from tests.helpers import make_group

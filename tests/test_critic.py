@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from asyncrl.protocol import schema
 from asyncrl.config import ConfigError, dump_yaml, load_config
-from asyncrl.protocol.keys import Keys, connect
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from learners import packing
 from learners.batch import build_batch, build_step

@@ -14,9 +14,9 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
+from asyncrl.launch.redis_server import LocalRedis
 from asyncrl.protocol import schema, security
 from asyncrl.protocol.keys import Keys, connect
-from asyncrl.launch.redis_server import LocalRedis
 from tests.helpers import Procs, make_group
 
 

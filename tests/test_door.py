@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launch.cli import parse_args
 from asyncrl.config import ConfigError, load_config
+from asyncrl.launch.cli import parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.protocol.keys import Keys, connect
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.keys import Keys, connect
 from tests.helpers import Procs
 
 

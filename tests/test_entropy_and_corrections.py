@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import load_config
 from asyncrl.algorithms.rollout_correction import rejection_mask
+from asyncrl.config import load_config
 from learners.batch import build_step
 from learners.logprobs import ChunkedLinearLogprob
 from learners.step import batch_targets, policy_update

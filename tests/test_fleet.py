@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from asyncrl.protocol import fleet, schema, security
 from asyncrl.config import load_config
+from asyncrl.protocol import fleet, schema, security
 from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.schema import Heartbeat
 

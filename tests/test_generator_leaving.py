@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from asyncrl.protocol.keys import PROMPT_GROUP
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.keys import PROMPT_GROUP
 from generators.main import LEAVE_MARGIN_S
 from tests.buffer_support import wait_for
 from tests.gen_support import perturbed_state

@@ -7,11 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.protocol import schema
 from asyncrl.config import REPO_CONFIGS, ConfigError, load_config
+from asyncrl.protocol import schema
 from asyncrl.tasks.data import encode_prompt, gsm8k_final_answer, load_prompt_file, prepare_gsm8k
 from asyncrl.tasks.evaluation import Round, load_eval_set, make_tasks, summarize
-from asyncrl.tasks.math_reward import MathReward, answers_match, extract_answer, normalize_answer, parse_number
+from asyncrl.tasks.math_reward import (
+    MathReward,
+    answers_match,
+    extract_answer,
+    normalize_answer,
+    parse_number,
+)
 from asyncrl.tasks.rewards import build_reward, is_correct
 
 GSM8K = Path(__file__).resolve().parent / "data" / "gsm8k"  # a few rows of each split (README.md there)

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.protocol.keys import Keys, connect
 from asyncrl.launch.launcher import kill_tree
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from tests.helpers import fixed_groups
 

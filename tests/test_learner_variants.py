@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.protocol.keys import Keys, connect
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import ensure_groups
 from tests.helpers import fixed_groups
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from asyncrl.protocol.keys import Keys, connect
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.retry import LoudRetry
 from tests.buffer_support import REPO, BufferProcess, buffer_cfg, wait_for
 

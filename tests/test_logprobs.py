@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from asyncrl.algorithms.advantages import grpo as grpo_advantages
 from asyncrl.algorithms.aggregation import aggregate, token_logprobs
-from asyncrl.config import Config
 from asyncrl.algorithms.losses import decoupled_ppo
+from asyncrl.config import Config
 from asyncrl.tools.tiny_model import tiny_config
 from learners.logprobs import linear_logprobs, sequence_logprobs
 from learners.step import policy_update

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.protocol import schema
 from asyncrl.config import load_config
+from asyncrl.protocol import schema
 from asyncrl.tools.tiny_model import tiny_config
 from learners import packing
 from learners.batch import build_step, micro_batch

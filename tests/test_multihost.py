@@ -18,8 +18,8 @@ import pytest
 import redis as redispy
 import yaml
 
-from asyncrl.protocol import schema, security
 from asyncrl.config import DEFAULT_CONFIG, load_config
+from asyncrl.protocol import schema, security
 from asyncrl.protocol.keys import Keys
 from tests import multihost
 from tests.helpers import Procs

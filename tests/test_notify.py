@@ -9,10 +9,10 @@ import statistics
 import threading
 import time
 
+from asyncrl.launch.redis_server import LocalRedis
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, aconnect, connect
 from asyncrl.protocol.notify import AsyncNotifications
-from asyncrl.launch.redis_server import LocalRedis
 from asyncrl.protocol.store import set_and_notify
 from generators.main import WEIGHTS_FALLBACK_S, Generator
 from tests.buffer_support import buffer_cfg, start_thread, wait_for

@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.observe.exporter import Exporter, all_metric_names
+from asyncrl.observe.watchdog import Watchdog
 from asyncrl.protocol.keys import Keys, connect, log_event
 from asyncrl.protocol.store import ensure_groups
-from asyncrl.observe.watchdog import Watchdog
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 

@@ -5,9 +5,9 @@ learner step through batch_targets."""
 import pytest
 import torch
 
-from asyncrl.protocol import schema
 from asyncrl.algorithms.advantages import AdvantageInputs, estimate, optimal_token_baseline
 from asyncrl.config import load_config
+from asyncrl.protocol import schema
 from learners.batch import build_step
 from learners.step import batch_targets, logprobs_sum_pi2_N, policy_update, rank_micro_batches
 from tests.test_microbatch import plan_for, ragged_groups, tiny_lm

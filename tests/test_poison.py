@@ -12,10 +12,10 @@ import sys
 import msgspec
 import pytest
 
-from asyncrl.protocol import schema
 from asyncrl.config import dump_yaml, load_config
-from asyncrl.protocol.keys import Keys, connect
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from tests.buffer_support import push, start_thread, wait_for
 from tests.helpers import fixed_groups, make_group

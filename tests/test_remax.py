@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.protocol import schema
 from asyncrl.algorithms.advantages import AdvantageInputs, estimate, remax
 from asyncrl.config import AlgorithmConfig, ConfigError, load_config
-from asyncrl.protocol.keys import Keys, connect
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.protocol import schema
+from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from generators.engines import SampleOut
 from tests.buffer_support import push, start_thread, wait_for

@@ -56,8 +56,8 @@ def _hf_greedy(model, tok, questions, max_tokens):
 def test_folder_is_a_plain_llama_model_that_answers(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.tasks.arith import arith_reward
     from asyncrl.models import MARKER
+    from asyncrl.tasks.arith import arith_reward
 
     config = json.loads(open(f"{smollm2}/config.json").read())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True

@@ -50,8 +50,8 @@ def _load(args):
 def _pin(cfg, roles: tuple[str, ...], apply: bool = True) -> None:
     """Checks `{role}.cpus` against this machine; a role's own entry point also pins itself to them
     (before torch / vLLM are imported, so their thread pools are sized for those CPUs)."""
-    from asyncrl.launch import affinity
     from asyncrl.config import ConfigError
+    from asyncrl.launch import affinity
 
     try:
         affinity.check_available(cfg, roles)

@@ -68,13 +68,18 @@ def _wait_generators_left(client, keys, stopping: list) -> None:
 
 
 def run_core(config_path: str, backend: str, overrides: list[str] | None = None) -> int:
+    from asyncrl.config import load_config
     from asyncrl.launch.affinity import check_available, cpus_of
     from asyncrl.launch.cli import _setup_logging
-    from asyncrl.config import load_config
     from asyncrl.launch.elastic import publish_backend
-    from asyncrl.protocol.keys import Keys, connect
     from asyncrl.launch.redis_server import LocalRedis
-    from asyncrl.protocol.security import advertised_host, redis_password, redis_url_file, set_redis_password_file
+    from asyncrl.protocol.keys import Keys, connect
+    from asyncrl.protocol.security import (
+        advertised_host,
+        redis_password,
+        redis_url_file,
+        set_redis_password_file,
+    )
 
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.launch import affinity
 from asyncrl.config import Config, dump_yaml
+from asyncrl.launch import affinity
 from asyncrl.launch.redis_server import LocalRedis, free_port
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ def _num(value, default=None):
 
 
 def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, num_events: int = 15) -> dict:
+    from asyncrl.observe.metrics import oldest_undelivered_age_s
     from asyncrl.protocol.fleet import read_fleet
     from asyncrl.protocol.keys import PROMPT_GROUP
-    from asyncrl.observe.metrics import oldest_undelivered_age_s
     from asyncrl.protocol.store import group_lag
 
     now = time.time()
