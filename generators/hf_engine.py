@@ -142,10 +142,15 @@ class HfEngine:
     @torch.no_grad()
     def _load(self, ann: schema.WeightAnnouncement, timeout_s: float) -> dict:
         t0 = time.perf_counter()
-        state = dict(self.receiver.receive(ann, self.device, timeout_s))
-        unexpected = set(state) - set(self.model.state_dict())
-        assert not unexpected, f"received tensors the model does not have: {sorted(unexpected)[:5]}"
-        self.model.load_state_dict(state, strict=False)
+        try:
+            state = dict(self.receiver.receive(ann, self.device, timeout_s))
+            unexpected = set(state) - set(self.model.state_dict())
+            assert not unexpected, f"received tensors the model does not have: {sorted(unexpected)[:5]}"
+            self.model.load_state_dict(state, strict=False)
+        except Exception as e:
+            self.receiver.finish(ann, error=f"{type(e).__name__}: {e}")
+            raise
+        self.receiver.finish(ann)  # ipc: the learner may write its buffer again
         self.num_loads += 1
         self.loaded_version = ann.version
         return {"checksums": self.receiver.checksums, "seconds": time.perf_counter() - t0}

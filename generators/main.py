@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from asyncrl.algorithms.sampling import heartbeat_fields
 from asyncrl.config import Config
 from asyncrl.modes import may_generate
-from asyncrl.protocol import notify, retry, schema, security
+from asyncrl.protocol import fleet, notify, retry, schema, security
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, aconnect
 from asyncrl.protocol.notify import AsyncNotifications
 from asyncrl.tasks.data import encode_prompt
@@ -145,7 +145,7 @@ class Generator:
             idle_ratio=self.idle_s / elapsed, idle_s=round(self.idle_s, 3), reward_errors=self.reward_errors,
             sync_s_total=self.sync_s_total, last_pause_s=self.last_pause_s, num_syncs=self.num_syncs,
             **heartbeat_fields(self.cfg.generator), checksums=list(self.last_checksums), pid=os.getpid(),
-            host=socket.gethostname(), updated_at=time.time(), schema_version=schema.SCHEMA_VERSION,
+            host=socket.gethostname(), node=fleet.node_id(), updated_at=time.time(), schema_version=schema.SCHEMA_VERSION,
             token_proof=proof).to_hash()
         key = self.keys.gen(self.id)
         async with self.redis.pipeline(transaction=True) as pipe:

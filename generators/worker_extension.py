@@ -9,6 +9,9 @@ Staged updates (gloo, weights.atomic): `asyncrl_stage` receives every bucket int
 thread of the worker while the engine goes on generating; `asyncrl_staged` says whether that thread
 is done; `asyncrl_load_staged` (engine paused) loads what it received. Generation then stops only for
 the load, not for the transfer.
+
+CUDA IPC (weights.backend=ipc): the worker opens the learner's bucket buffer by its handle and loads
+from it directly (device to device), then confirms; nothing is staged.
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ class AsyncRLWorkerExtension:
         receiver: WeightReceiver = self._asyncrl_receiver
         t0 = time.perf_counter()
         weights = receiver.receive(ann, torch.device(self.device), timeout_s)
+        if receiver.backend == "ipc":
+            return self._asyncrl_load_ipc(receiver, ann, weights, t0)
         if atomic:
             # Receive every bucket before touching the model: a broadcast that fails part-way (a peer
             # died) then leaves the engine on its old, consistent weights instead of a half-loaded
@@ -135,4 +140,16 @@ class AsyncRLWorkerExtension:
         finally:
             for _ in weights:  # every bucket must be received, or the learner's broadcast would wait
                 pass
+        return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0}
+
+    def _asyncrl_load_ipc(self, receiver: WeightReceiver, ann, weights, t0: float) -> dict:
+        """ipc: the whole version already sits in the learner's GPU memory, so loading straight from it
+        is atomic by itself (a failed read leaves nothing half-received); the learner is told when the
+        load is done (or failed), and only then writes its buffer again."""
+        try:
+            self._asyncrl_load(weights)
+        except Exception as e:  # noqa: BLE001 - reported to the learner and to the generator process
+            receiver.finish(ann, error=f"{type(e).__name__}: {e}")
+            return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
+        receiver.finish(ann)
         return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0}

@@ -16,7 +16,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.protocol import fleet as fleet_rules
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import LEARNER_GROUP, Keys, connect, log_event
@@ -25,6 +25,7 @@ from asyncrl.protocol.weight_sync import (
     SyncTimeout,
     WeightSender,
     checksum_mode,
+    choose_backend,
     pack_buckets,
     plan_buckets,
     to_dtype,
@@ -261,10 +262,13 @@ class Learner:
         if (frame := self.client.get(self.keys.wgroup)) is not None:
             epoch0 = _decode_stored(frame, schema.GroupEpoch, "the last weight-group epoch").epoch
         host = cfg.deploy.bind_host
-        backend = cfg.weights.backend if cfg.weights.backend != "auto" else ("nccl" if self.cuda else "gloo")
-        self.sender = WeightSender(host, cfg.weights.port, backend,
+        if cfg.weights.backend in ("nccl", "ipc") and not self.cuda:
+            raise ConfigError(f"weights.backend={cfg.weights.backend} needs the learner on CUDA; this one runs on "
+                              "the CPU (weights.backend=auto or gloo)")
+        # Each epoch's backend: auto takes ipc when every member shares this node (and CUDA), else NCCL.
+        self.sender = WeightSender(host, cfg.weights.port, choose_backend(cfg.weights.backend, self.cuda, False),
                                    cfg.weights.join_timeout_s, cfg.weights.sync_timeout_s, first_epoch=epoch0,
-                                   advertise=cfg.deploy.advertise_host)
+                                   advertise=cfg.deploy.advertise_host, choose=self._epoch_backend)
         set_and_notify(self.client, self.keys, self.keys.version, self.version, "version")
         self.pending: list[schema.TrajectoryGroup] = []
         self.dropped_stale = 0
@@ -568,6 +572,15 @@ class Learner:
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             yield name, full.detach()
 
+    def _epoch_backend(self, members: list[str]) -> str:
+        """weights.backend for an epoch of `members` (`{generator}.{worker}`): see `choose_backend`."""
+        if self.cfg.weights.backend != "auto" or not self.cuda:
+            return choose_backend(self.cfg.weights.backend, self.cuda, False)
+        fleet, here = self.read_fleet(), fleet_rules.node_id()
+        ids = {m.rsplit(".", 1)[0] for m in members}
+        local = bool(ids) and all(gid in fleet and fleet[gid].node == here for gid in ids)
+        return choose_backend("auto", True, local)
+
     def sync_weights(self) -> float:
         """Broadcast current weights to the fleet; every learner rank takes part in the gathers."""
         t0 = time.perf_counter()
@@ -593,11 +606,12 @@ class Learner:
                                         checksum=checksum)
         # The wake-up lets generators join the broadcast at once instead of at their next poll.
         set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
-        # gloo moves host memory: on CUDA the buckets are packed on the CPU (one copy out of the GPU).
-        send_dev = self.device if self.sender.backend == "nccl" else torch.device("cpu")
+        # gloo moves host memory: on CUDA the buckets are packed on the CPU (one copy out of the GPU);
+        # NCCL and ipc pack on the GPU.
+        send_dev = self.device if self.sender.backend in ("nccl", "ipc") else torch.device("cpu")
         try:
             self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev),
-                                                        checksum)
+                                                        checksum, version=self.version)
             self.weight_check.sent(self.version, self.last_checksums)
             self.sync_s = time.perf_counter() - t0
             self._event("sync", version=self.version, epoch=self.sender.epoch, seconds=f"{self.sync_s:.4f}",

@@ -119,3 +119,16 @@ class WeightCheck:
         for v in [v for v in self.synced if v < version - KEEP_VERSIONS]:
             del self.synced[v]
         return mismatches
+
+
+def node_id() -> str:
+    """This machine's identity for the ipc choice: its hostname and boot id (two containers of one host
+    share the boot id but may not share GPUs by handle, so both must match)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -133,8 +133,27 @@ class GroupEpoch(msgspec.Struct, tag="group_epoch"):
     addr: str
     port: int
     members: list[str]
-    backend: str  # "gloo" or "nccl"
+    backend: str  # "gloo", "nccl" or "ipc"
     opened_at: float
+
+
+class IpcExport(msgspec.Struct, tag="ipc_export"):
+    """weights.backend=ipc: where one version's buckets are, as a CUDA IPC handle of the learner's flat
+    bucket buffer (torch's tensor reduction, its fields spelled out: no pickle). Written for each member
+    to the epoch's store (`ipc/{version}/{member}`); a member opens it, reads the buckets at
+    `weight_sync.flat_offsets`, loads them and confirms (`done/{version}/{member}`)."""
+
+    schema_version: int
+    version: int
+    device_uuid: str  # the learner's GPU: the member maps it to its own device index
+    handle: bytes  # cudaIpcMemHandle of the allocation holding the buffer
+    storage_size: int  # bytes of the buffer's storage
+    storage_offset: int  # bytes from the allocation's start to the storage
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    nbytes: int  # of the flat buffer: every bucket, ALIGN-aligned, in announcement order
 
 
 class EvalTask(msgspec.Struct, tag="eval_task"):
@@ -167,12 +186,12 @@ class EvalResult(msgspec.Struct, tag="eval_result"):
     finished_at: float
 
 
-Message = TrajectoryGroup | PromptTask | WeightAnnouncement | GroupEpoch | EvalTask | EvalResult
+Message = TrajectoryGroup | PromptTask | WeightAnnouncement | GroupEpoch | IpcExport | EvalTask | EvalResult
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {
-    cls: msgspec.msgpack.Decoder(cls) for cls in (TrajectoryGroup, PromptTask, WeightAnnouncement, GroupEpoch,
-                                                  EvalTask, EvalResult)
+    cls: msgspec.msgpack.Decoder(cls)
+    for cls in (TrajectoryGroup, PromptTask, WeightAnnouncement, GroupEpoch, IpcExport, EvalTask, EvalResult)
 }
 
 
@@ -355,6 +374,7 @@ class Heartbeat(msgspec.Struct):
     checksums: list[int] = msgspec.field(default_factory=list)  # of the buckets of `version` it received
     pid: int | None = None
     host: str = ""
+    node: str = ""  # hostname/boot id (asyncrl/protocol/fleet.py node_id): weights.backend=auto picks ipc on a shared node
     updated_at: float = 0.0  # wall-clock seconds
     schema_version: int = 1
     token_proof: str = ""  # asyncrl/protocol/security.py token_proof; empty in a run without a run token

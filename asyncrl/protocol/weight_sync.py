@@ -13,6 +13,12 @@ device already match (no copy); a WeightAnnouncement with names/dtypes/shapes/of
 Redis first, then each bucket is broadcast from rank 0, and the broadcast ends in an all-reduce that
 every member joins after its last bucket (`_all_received`): the learner's broadcast returns only once
 every member has every bucket. gloo on CPU, NCCL on CUDA, one code path.
+
+CUDA IPC (`ipc`, members on the learner's node): no collective at all. The learner packs every bucket
+into one flat buffer in its GPU memory, writes its CUDA IPC handle (an IpcExport) for each member to
+the epoch's store, and waits until each has confirmed; a member opens the handle once (cached), reads
+the buckets from the learner's memory straight into its model, checksums them on the device and
+confirms. The flat buffer is written again only after every member confirmed the version before.
 """
 
 from __future__ import annotations
@@ -29,7 +35,15 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.protocol import torch_private
-from asyncrl.protocol.schema import SCHEMA_VERSION, Bucket, GroupEpoch, TensorMeta, WeightAnnouncement
+from asyncrl.protocol.schema import (
+    SCHEMA_VERSION,
+    Bucket,
+    GroupEpoch,
+    IpcExport,
+    TensorMeta,
+    WeightAnnouncement,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +112,71 @@ def local_address_towards(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+BACKENDS = ("gloo", "nccl", "ipc")
+
+
+def choose_backend(setting: str, cuda: bool, members_on_this_node: bool) -> str:
+    """The backend of one group epoch. weights.backend=auto: gloo without CUDA, NCCL on CUDA; ipc when
+    set by name, for members on the learner's node (their GPU memory is reachable by handle)."""
+    if setting != "auto":
+        if setting not in BACKENDS:
+            raise ValueError(f"unknown weights.backend {setting!r} (auto, {', '.join(BACKENDS)})")
+        return setting
+    if not cuda:
+        return "gloo"
+    # ipc is chosen by name only until its CUDA test and timing have run on a GPU; auto keeps NCCL.
+    return "nccl"
+
+
+def flat_offsets(buckets: list[Bucket]) -> list[int]:
+    """Each bucket's byte offset in the ipc flat buffer (ALIGN-aligned, in order); the last entry is
+    the buffer's size."""
+    offsets, end = [], 0
+    for b in buckets:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + b.nbytes
+    offsets.append(-(-end // ALIGN) * ALIGN)
+    return offsets
+
+
+class IpcGroup:
+    """The `pg` of an ipc epoch: no collective, only the epoch's store (handles and confirmations)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int):
+        self.store, self.rank, self.size = store, rank, size
+
+
+def ipc_export(buf: torch.Tensor, version: int) -> IpcExport:
+    """A CUDA IPC handle of `buf` (a flat uint8 CUDA tensor) through torch's tensor reduction, the
+    fields written out so that they travel as msgpack, not as a pickle."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buf)
+    device, handle, size, offset = args[6], args[7], args[8], args[9]
+    return IpcExport(schema_version=SCHEMA_VERSION, version=version,
+                     device_uuid=str(torch.cuda.get_device_properties(device).uuid), handle=bytes(handle),
+                     storage_size=int(size), storage_offset=int(offset), ref_counter_handle=bytes(args[11]),
+                     ref_counter_offset=int(args[12]), event_handle=bytes(args[13] or b""),
+                     event_sync_required=bool(args[14]), nbytes=buf.numel())
+
+
+def ipc_open(export: IpcExport) -> torch.Tensor:
+    """The learner's flat buffer, opened in this process's address space (torch caches the mapping per
+    handle: a handle opened before is not mapped again)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    if export.device_uuid not in uuids:
+        raise RuntimeError(f"weights.backend=ipc: the learner's GPU {export.device_uuid} is not visible here "
+                           f"(this process sees {len(uuids)} GPUs); use nccl across nodes or containers")
+    device = uuids.index(export.device_uuid)
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size([export.nbytes]), (1,), 0, torch.TypedStorage, torch.uint8,
+                               device, export.handle, export.storage_size, export.storage_offset, False,
+                               export.ref_counter_handle, export.ref_counter_offset, export.event_handle or None,
+                               export.event_sync_required)
+
+
 def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, address: str = ""):
     """A process group outside torch.distributed's global state (so it can coexist with torchrun's).
 
@@ -114,6 +193,8 @@ def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: 
                                         hostname=address or "127.0.0.1")
     if backend == "nccl":
         return torch_private.nccl_group(store, rank, size, timeout)
+    if backend == "ipc":
+        return IpcGroup(store, rank, size)
     raise ValueError(f"unknown weight-group backend {backend!r}")
 
 
@@ -152,12 +233,12 @@ CHECKSUMS = ("full", "sampled")
 
 
 def checksum_mode(setting: str, backend: str) -> str:
-    """weights.checksum: auto is full on NCCL (a GPU reduction, nearly free) and sampled on gloo,
+    """weights.checksum: auto is full on NCCL and ipc (a GPU reduction, nearly free) and sampled on gloo,
     where a full read of every bucket on both ends costs host CPU that the transfer itself needs
     (measured on 2 cores: sampled pushes took 5-38% less time than full ones,
     benchmarks/results/weight_sync_cpu_sampled_2026-12-01.json)."""
     if setting == "auto":
-        return "full" if backend == "nccl" else "sampled"
+        return "full" if backend in ("nccl", "ipc") else "sampled"
     if setting not in CHECKSUMS:
         raise ValueError(f"unknown weights.checksum {setting!r} (auto, full, sampled)")
     return setting
@@ -191,17 +272,33 @@ def bucket_checksum(buf: torch.Tensor, mode: str = "full") -> int:
         words = buf.detach().numpy().view(np.uint64)
         if not sampled:
             return int(words.sum(dtype=np.uint64))
-        return (int(words[::SAMPLE_STRIDE_WORDS].sum(dtype=np.uint64)) + int(words[-1])) & 0xFFFFFFFFFFFFFFFF
+        return (int(words[::SAMPLE_STRIDE_WORDS].sum(dtype=np.uint64)) + int(words[-1])) & MASK64
+    return int(_device_checksum(buf, sampled)) & MASK64
+
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _device_checksum(buf: torch.Tensor, sampled: bool) -> torch.Tensor:
     words = buf.view(torch.int64)
-    total = words[::SAMPLE_STRIDE_WORDS].sum() + words[-1] if sampled else words.sum()
-    return int(total) & 0xFFFFFFFFFFFFFFFF
+    return words[::SAMPLE_STRIDE_WORDS].sum() + words[-1] if sampled else words.sum()
+
+
+def device_checksums(bufs: list[torch.Tensor], buckets: list[Bucket], mode: str) -> list[int]:
+    """`bucket_checksum` of many CUDA buckets with one synchronisation instead of one per bucket."""
+    if not bufs:
+        return []
+    sums = [_device_checksum(b, bucket_mode(bk, mode) == "sampled" and b.numel() >= DIRECT_BYTES)
+            for b, bk in zip(bufs, buckets, strict=True)]
+    return [int(x) & MASK64 for x in torch.stack(sums).tolist()]
 
 
 class WeightSender:
     """Learner rank 0's side: group epochs over a TCPStore and bucketed broadcasts."""
 
     def __init__(self, host: str, port: int, backend: str, join_timeout_s: float, sync_timeout_s: float,
-                 first_epoch: int = 0, advertise: str = ""):
+                 first_epoch: int = 0, advertise: str = "", choose: Callable[[list[str]], str] | None = None):
+        """`backend` is every epoch's, unless `choose` (members -> backend) picks each epoch's."""
         from asyncrl.launch.listen import master_store
         from asyncrl.protocol.security import advertised_host
 
@@ -215,6 +312,8 @@ class WeightSender:
         self.epoch = first_epoch
         self.members: list[str] = []
         self.pg = None
+        self.choose = choose
+        self._flat: torch.Tensor | None = None  # ipc: the flat bucket buffer members read from
 
     def open_epoch(self, members: list[str], publish: Callable[[GroupEpoch], None],
                    on_event: Callable[..., None], alive: Callable[[], list[str]] | None = None) -> list[str]:
@@ -223,6 +322,8 @@ class WeightSender:
         that is no longer alive is dropped at once instead of at the join timeout."""
         members = sorted(members)
         self.pg = None
+        if self.choose is not None:
+            self.backend = self.choose(members)
         while True:
             self.epoch += 1
             info = GroupEpoch(schema_version=SCHEMA_VERSION, epoch=self.epoch, addr=self.host, port=self.port,
@@ -267,10 +368,13 @@ class WeightSender:
             return members
 
     def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor],
-                  checksum: str = "full") -> list[int]:
+                  checksum: str = "full", version: int = -1) -> list[int]:
         """Broadcasts each flat bucket (already packed) in order; returns their checksums (`checksum`
-        is the announcement's mode, see `bucket_checksum`)."""
+        is the announcement's mode, see `bucket_checksum`). `version` is the announcement's (ipc
+        names its handles and confirmations by it)."""
         assert self.pg is not None, "broadcast without a group"
+        if self.backend == "ipc":
+            return self._share(buckets, bucket_tensors, checksum, version)
         # Pipelined: up to PIPELINE_DEPTH buckets are on the wire while the next one is gathered and
         # packed (the zip pulls it only after the previous broadcast was started). Several in flight,
         # not one: a receiver that is scheduled late (more processes than cores) then does not stall
@@ -288,6 +392,37 @@ class WeightSender:
         while in_flight:
             _wait(in_flight.popleft()[0], self.sync_timeout_s)
         _all_received(self.pg, device, self.sync_timeout_s)
+        return sums
+
+    def _share(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor], checksum: str,
+               version: int) -> list[int]:
+        """ipc: copies every bucket into the flat buffer (device to device), hands each member its
+        handle and waits until all have confirmed (loaded, or failed)."""
+        pg, members = self.pg, list(self.members)
+        offsets = flat_offsets(buckets)
+        device = torch.device("cuda", torch.cuda.current_device())
+        if self._flat is None or self._flat.numel() != offsets[-1] or self._flat.device != device:
+            self._flat = None  # the old one is freed first: two flat copies need not fit at once
+            self._flat = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
+        views = []
+        for i, (bucket, buf) in enumerate(zip(buckets, bucket_tensors, strict=True)):
+            assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
+            dst = self._flat[offsets[i]: offsets[i] + bucket.nbytes]
+            dst.copy_(buf)  # in stream order: a packing slot is refilled only after this copy
+            views.append(dst)
+        sums = device_checksums(views, buckets, checksum)  # synchronises: every copy has landed
+        torch.cuda.current_stream(device).synchronize()
+        for m in members:  # one export each: every member's open releases its own reference count
+            pg.store.set(f"ipc/{version}/{m}", encode(ipc_export(self._flat, version)))
+        done = [f"done/{version}/{m}" for m in members]
+        try:
+            pg.store.wait(done, timedelta(seconds=self.sync_timeout_s))
+        except RuntimeError as e:  # the store's timeout (DistStoreError)
+            late = [m for m, k in zip(members, done, strict=True) if not pg.store.check([k])]
+            raise SyncTimeout(f"ipc: {late} did not confirm version {version} in {self.sync_timeout_s}s") from e
+        for m, k in zip(members, done, strict=True):
+            if (answer := pg.store.get(k)) != b"ok":
+                raise RuntimeError(f"ipc: member {m} failed to load version {version}: {answer.decode()[:200]}")
         return sums
 
     def drop_group(self) -> None:
@@ -366,6 +501,8 @@ class WeightReceiver:
         # Host receive buffers handed out lately, newest last: `_buffer` takes one back once nothing
         # else refers to its storage. Bounded: between syncs at most this many buffers stay alive.
         self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=PIPELINE_DEPTH + 2)
+        self._ipc: tuple[tuple, torch.Tensor] | None = None  # the learner's flat buffer, opened once per handle
+        self.checksums: list[int] = []
 
     def join(self, info: GroupEpoch, timeout_s: float) -> bool:
         """Joins `info`'s epoch; False when the learner re-formed it without us (look again)."""
@@ -386,6 +523,9 @@ class WeightReceiver:
             return False
         if info.backend == "nccl":
             torch.cuda.set_device(torch.cuda.current_device())
+        if info.backend == "ipc" and not torch.cuda.is_available():
+            raise RuntimeError("weights.backend=ipc needs CUDA in every generator")
+        self._ipc = None  # a new epoch may come from a restarted learner: its handles are new
         self.pg = new_group(dist.PrefixStore("pg", ps), rank, len(info.members) + 1, info.backend, timeout_s,
                             address=local_address_towards(info.addr, info.port))
         self.epoch = info.epoch
@@ -397,6 +537,9 @@ class WeightReceiver:
         """Yields (name, tensor) views into each received bucket, bucket by bucket. Drain it: asking
         past the last tensor runs the closing all-reduce that tells the learner everything arrived."""
         assert self.pg is not None and ann.epoch == self.epoch, "receive outside the announced epoch"
+        if self.backend == "ipc":
+            yield from self._receive_ipc(ann, timeout_s)
+            return
         if self.backend == "gloo":
             device = torch.device("cpu")  # gloo moves host memory; the loader copies to the GPU
         # This receive's own group and checksum list: a receive that outlives its sync (a staging
@@ -434,6 +577,42 @@ class WeightReceiver:
                         " (%s); keeping them, leaving the broken group", self.member_id, len(sums), ann.version, e)
             if self.pg is pg:
                 self.pg = None
+
+    def _receive_ipc(self, ann: WeightAnnouncement, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+        """Views into the learner's flat buffer. They are valid until `finish`: load them into the
+        model before, never keep them after (the learner writes the next version there)."""
+        from asyncrl.protocol import schema
+
+        store, key = self.pg.store, f"ipc/{ann.version}/{self.member_id}"
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise SyncTimeout(f"ipc: no handle for version {ann.version} in {timeout_s}s") from e
+        export = schema.decode(store.get(key), schema.IpcExport)
+        offsets = flat_offsets(ann.buckets)
+        if export.version != ann.version or export.nbytes < offsets[-1]:
+            raise RuntimeError(f"ipc: the handle is for version {export.version} ({export.nbytes} bytes), the "
+                               f"announcement for {ann.version} ({offsets[-1]} bytes)")
+        ident = (export.device_uuid, export.handle, export.storage_offset, export.nbytes)
+        if self._ipc is None or self._ipc[0] != ident:
+            self._ipc = None
+            self._ipc = (ident, ipc_open(export))
+        flat = self._ipc[1]
+        bufs = [flat[offsets[i]: offsets[i] + b.nbytes] for i, b in enumerate(ann.buckets)]
+        self.checksums = device_checksums(bufs, ann.buckets, ann.checksum)
+        for buf, bucket in zip(bufs, ann.buckets, strict=True):
+            for meta in bucket.tensors:
+                yield meta.name, buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
+
+    def finish(self, ann: WeightAnnouncement, error: str = "") -> None:
+        """ipc: tells the learner this member is done with `ann`'s buffer (loaded, or failed with
+        `error`), after the device has finished reading it. A no-op on gloo and NCCL, whose closing
+        all-reduce already said so."""
+        if self.backend != "ipc" or self.pg is None or ann.epoch != self.epoch:
+            return
+        if not error:
+            torch.cuda.synchronize()  # the loader's copies out of the learner's buffer have finished
+        self.pg.store.set(f"done/{ann.version}/{self.member_id}", "ok" if not error else f"error: {error}"[:500])
 
     def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A flat uint8 receive buffer of `nbytes`. On the host: the smallest large-enough recent
