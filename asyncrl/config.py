@@ -67,6 +67,9 @@ class RunConfig:
     # Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off.
     stall_timeout_s: Annotated[float, NonNegative] = 300.0
     on_stall: Literal["warn", "fail"] = "warn"  # fail: the launcher stops the run with exit code 3
+    # CPU affinity when no role's `cpus` is set. auto: on a machine of at most 4 CPUs the launcher pins the
+    # roles apart (asyncrl/launch/affinity.py); off: never pins unless a role's `cpus` says so.
+    affinity: Literal["auto", "off"] = "auto"
 
 
 @dataclass
