@@ -674,6 +674,11 @@ class Learner:
         if self.resumed_from and not self.gen_rate.counters:
             self.gen_rate.counters = dict(counters)  # made before this learner started: not in its window
         gen_tps = self.gen_rate.update(counters, time.monotonic())
+        if getattr(self, "learn_rate", None) is None:
+            from asyncrl.observe.metrics import WindowRate
+
+            self.learn_rate = WindowRate(start=self.t_start)
+        learn_tps = self.learn_rate.add(stats["tokens"], time.monotonic())
         elapsed = time.monotonic() - self.t_start
         depth = group_lag(self.client, self.keys.trajectories, LEARNER_GROUP)
         row = {
@@ -684,7 +689,8 @@ class Learner:
             "dropped_stale": self.dropped_stale, "dropped_zero_var": self.dropped_zero_var,
             "quarantined": self._quarantine().num,
             "num_groups": len(groups),
-            "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": stats["tokens"] / max(stats["step_s"], 1e-9),
+            "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": learn_tps,
+            "learner_step_tokens_per_s": stats["tokens"] / max(stats["step_s"], 1e-9),
             "sync_s": sync_s, "buffer_depth": depth, "idle_ratio": self.idle_s / max(elapsed, 1e-9),
             "num_generators": len(fleet), "weights_verified": self.weight_check.num_verified,
             "weights_mismatch": self.weight_check.num_mismatch,

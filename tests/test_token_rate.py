@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.observe.metrics import FleetTokenRate
+from asyncrl.observe.metrics import FleetTokenRate, WindowRate
 
 
 def test_groups_longer_than_a_step_still_give_the_rate():
@@ -29,3 +29,14 @@ def test_fleet_sum_joins_and_restarts():
     rate.update({"g0": 30.0}, 40.0)
     assert rate.update({"g0": 30.0, "g1": 60.0}, 50.0) == 290.0 / 50.0
     assert FleetTokenRate(start=5.0).update({}, 5.0) == 0.0
+
+
+def test_one_short_step_is_no_spike():
+    # 1000 tokens a step; steps take 1 s except one of 0.05 s. Per step time that step reads 20,000
+    # tokens/s, 20x its neighbours; over a window of wall time it stays near 1,000.
+    rate, now, seen = WindowRate(start=0.0, window_s=5.0), 0.0, []
+    for i in range(12):
+        now += 0.05 if i == 8 else 1.0
+        seen.append(rate.add(1000.0, now))
+    assert max(seen[5:]) / min(seen[5:]) < 1.3
+    assert abs(seen[-1] - 6000.0 / (now - 6.0)) < 1e-6  # left edge: the newest sample >= 5 s old (t=6)

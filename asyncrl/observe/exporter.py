@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 LEARNER = [
     ("asyncrl_learner_step", "gauge", "optimizer steps taken", "step"),
     ("asyncrl_learner_version", "gauge", "policy version the learner holds", "version"),
-    ("asyncrl_learner_tokens_per_second", "gauge", "trained tokens per second of step time", "learner_tokens_per_s"),
+    ("asyncrl_learner_tokens_per_second", "gauge", "trained tokens per second of wall time over the last 30 s", "learner_tokens_per_s"),
     ("asyncrl_learner_idle_ratio", "gauge", "fraction of wall time rank 0 waited for data", "idle_ratio"),
     ("asyncrl_learner_sync_seconds", "gauge", "seconds of the last weight broadcast", "sync_s"),
     ("asyncrl_learner_step_seconds", "gauge", "seconds of the last train step", "step_s"),

@@ -177,6 +177,28 @@ def fleet_metrics(client, keys, fleet: dict[str, Heartbeat] | None = None) -> di
     return row
 
 
+class WindowRate:
+    """A quantity per second over the last `window_s` seconds of wall time, from amounts added as they
+    happen. The left edge is the newest sample at least `window_s` old, so the window spans it whole:
+    one short step or one burst of finished groups does not read as a spike."""
+
+    def __init__(self, start: float, window_s: float = 30.0):
+        from collections import deque
+
+        self.window_s = window_s
+        self.total = 0.0
+        self.history = deque([(start, 0.0)])  # (monotonic time, total)
+
+    def add(self, amount: float, now: float) -> float:
+        """Adds `amount` at `now` (monotonic seconds); returns the rate over the window ending there."""
+        self.total += amount
+        self.history.append((now, self.total))
+        while len(self.history) > 2 and self.history[1][0] <= now - self.window_s:
+            self.history.popleft()
+        t0, total0 = self.history[0]
+        return (self.total - total0) / (now - t0) if now > t0 else 0.0
+
+
 class FleetTokenRate:
     """Generated tokens per second of the whole fleet over the last `window_s` seconds of wall time,
     from the cumulative `tokens` counters the generators publish in their heartbeats.
@@ -189,25 +211,21 @@ class FleetTokenRate:
     """
 
     def __init__(self, start: float, window_s: float = 30.0):
-        from collections import deque
-
-        self.window_s = window_s
+        self.window = WindowRate(start, window_s)
         self.counters: dict[str, float] = {}  # the last counter seen per generator (gone ones kept)
-        self.total = 0.0  # fleet tokens since `start`
-        self.history = deque([(start, 0.0)])  # (monotonic time, total)
+
+    @property
+    def total(self) -> float:
+        return self.window.total
 
     def update(self, counters: dict[str, float], now: float) -> float:
         """Tokens per second over the window ending at `now` (monotonic seconds)."""
+        new = 0.0
         for gid, tokens in counters.items():
             prev = self.counters.get(gid, 0.0)
-            self.total += tokens - prev if tokens >= prev else tokens
+            new += tokens - prev if tokens >= prev else tokens
             self.counters[gid] = tokens
-        self.history.append((now, self.total))
-        # The left edge is the newest sample at least `window_s` old, so the window spans it whole.
-        while len(self.history) > 2 and self.history[1][0] <= now - self.window_s:
-            self.history.popleft()
-        t0, total0 = self.history[0]
-        return (self.total - total0) / (now - t0) if now > t0 else 0.0
+        return self.window.add(new, now)
 
 
 def reward_stats(rewards: list[float]) -> dict[str, float]:
