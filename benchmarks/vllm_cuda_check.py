@@ -83,10 +83,13 @@ async def ours_throughput(engine, prompts, n, max_tokens):
     return sum(len(s.token_ids) for g in groups for s in g) / dt
 
 
-def push(engine, sd, version, gid):
-    """Learner side in this process (gloo group), receiver = the engine's worker extension."""
-    sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=120, sync_timeout_s=300)
+def push(engine, sd, version, gid, backend="gloo", repeats=1):
+    """Learner side in this process, receiver = the engine's worker extension. gloo: the buckets are
+    packed into host memory and broadcast; ipc: packed on the GPU and handed over as CUDA IPC handles.
+    Returns one result per push (versions version .. version + repeats - 1) when repeats > 1."""
+    sender = WeightSender("127.0.0.1", 0, backend, join_timeout_s=120, sync_timeout_s=300)
     frames = {}
+    pack_device = torch.device("cuda") if backend == "ipc" else torch.device("cpu")
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -97,17 +100,25 @@ def push(engine, sd, version, gid):
         assert await engine.join(frames["e"], gid, 120)
         await opened
         buckets = plan_buckets([(k, v.dtype, tuple(v.shape)) for k, v in sd.items()], 256 * 2**20)
-        ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=version, epoch=sender.epoch,
-                                        buckets=buckets, announced_at=time.time())
-        t0 = time.perf_counter()
-        sent = loop.run_in_executor(None, sender.broadcast, buckets,
-                                    pack_buckets(buckets, iter(sd.items()), torch.device("cpu")))
-        stats = await engine.update_weights(schema.encode(ann), "keep", 300)
-        sums = await sent
-        dt = time.perf_counter() - t0
-        assert stats["checksums"] == sums, "checksums differ between learner and vLLM worker"
         nbytes = sum(b.nbytes for b in buckets)
-        return {"seconds": dt, "GB": nbytes / 1e9, "GB_per_s": nbytes / 1e9 / dt, "pause_s": stats["pause_s"]}
+        out = []
+        for v in range(version, version + repeats):
+            ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=v, epoch=sender.epoch,
+                                            buckets=buckets, announced_at=time.time())
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sent = loop.run_in_executor(None, lambda a=ann: sender.broadcast(
+                buckets, pack_buckets(buckets, iter(sd.items()), pack_device), version=a.version))
+            stats = await engine.update_weights(schema.encode(ann), "keep", 300)
+            sums = await sent
+            dt = time.perf_counter() - t0
+            assert stats["checksums"] == sums, "checksums differ between learner and vLLM worker"
+            out.append({"backend": backend, "seconds": dt, "GB": nbytes / 1e9, "GB_per_s": nbytes / 1e9 / dt,
+                        "ms_per_GB": 1e3 * dt / (nbytes / 1e9), "pause_s": stats["pause_s"],
+                        "receive_s": stats["receive_s"], "stage_s": stats["stage_s"]})
+        sender.close()
+        return out if repeats > 1 else out[0]
 
     return go
 

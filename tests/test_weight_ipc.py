@@ -22,8 +22,9 @@ from asyncrl.protocol.weight_sync import (
 )
 
 
-def test_auto_is_gloo_on_cpu_and_nccl_on_cuda_and_ipc_only_by_name():
+def test_auto_is_gloo_on_cpu_ipc_on_one_node_and_nccl_across_nodes():
     assert choose_backend("auto", cuda=False, members_on_this_node=True) == "gloo"
+    assert choose_backend("auto", cuda=True, members_on_this_node=True) == "ipc"
     assert choose_backend("auto", cuda=True, members_on_this_node=False) == "nccl"
     assert choose_backend("ipc", cuda=True, members_on_this_node=True) == "ipc"
     assert choose_backend("gloo", cuda=True, members_on_this_node=True) == "gloo"

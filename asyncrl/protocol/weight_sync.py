@@ -116,16 +116,16 @@ BACKENDS = ("gloo", "nccl", "ipc")
 
 
 def choose_backend(setting: str, cuda: bool, members_on_this_node: bool) -> str:
-    """The backend of one group epoch. weights.backend=auto: gloo without CUDA, NCCL on CUDA; ipc when
-    set by name, for members on the learner's node (their GPU memory is reachable by handle)."""
+    """The backend of one group epoch. weights.backend=auto: gloo without CUDA; on CUDA ipc when every
+    member runs on the learner's node (its GPU memory is reachable by handle, also one GPU shared by
+    both, where NCCL cannot put two ranks), NCCL otherwise."""
     if setting != "auto":
         if setting not in BACKENDS:
             raise ValueError(f"unknown weights.backend {setting!r} (auto, {', '.join(BACKENDS)})")
         return setting
     if not cuda:
         return "gloo"
-    # ipc is chosen by name only until its CUDA test and timing have run on a GPU; auto keeps NCCL.
-    return "nccl"
+    return "ipc" if members_on_this_node else "nccl"
 
 
 def flat_offsets(buckets: list[Bucket]) -> list[int]:
@@ -364,7 +364,7 @@ class WeightSender:
                                 address=self.host)
             self.members = members
             on_event("epoch_open", epoch=self.epoch, members=",".join(members))
-            log.info("weight group epoch=%d members=%s", self.epoch, members)
+            log.info("weight group epoch=%d backend=%s members=%s", self.epoch, self.backend, members)
             return members
 
     def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor],
