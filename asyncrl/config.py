@@ -1,20 +1,22 @@
 """One typed config tree for every role, loaded from YAML and overridden by dotted `key=value` pairs.
 
+Every section is a pydantic model: its fields' types, choices and declared ranges are checked at load,
+a `key=value` override is read by its field's type, and `config_schema()` is the tree's JSON Schema.
 Unknown keys and values of the wrong type fail at start with the dotted path, the closest valid key
-and the fix; cross-field checks live in `Config.validate`. Only the standard library and PyYAML are
-imported here, so every entry point can parse its config before importing torch or vLLM.
+and the fix; cross-field checks live in `Config.validate`. Only pydantic and PyYAML are imported here,
+so every entry point can parse its config before importing torch or vLLM.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import types
 import typing
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the checkout's user configs
 # Package data (pyproject's package-data), so an installed wheel finds it as a checkout does.
@@ -25,125 +27,145 @@ class ConfigError(ValueError):
     """A user mistake in the config: the message names the dotted path and the fix."""
 
 
-@dataclass(frozen=True)
-class Range:
-    """A bound declared on a field, `lr: Annotated[float, Range(gt=0)] = 5e-4`, checked at load for
-    every field (YAML, overrides and defaults alike) before the cross-field checks."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-
-    def violated(self, value) -> str | None:
-        """The bound `value` breaks ("> 0"), or None."""
-        for bound, op, ok in ((self.ge, ">=", lambda b: value >= b), (self.gt, ">", lambda b: value > b),
-                              (self.le, "<=", lambda b: value <= b), (self.lt, "<", lambda b: value < b)):
-            if bound is not None and not ok(bound):
-                return f"{op} {bound:g}"
-        return None
-
-    def describe(self) -> str:
-        lo = f"> {self.gt:g}" if self.gt is not None else f">= {self.ge:g}" if self.ge is not None else ""
-        hi = f"< {self.lt:g}" if self.lt is not None else f"<= {self.le:g}" if self.le is not None else ""
-        return " and ".join(x for x in (lo, hi) if x)
+# Bounds declared on the fields, `lr: Annotated[float, Positive] = 5e-4`: pydantic checks them at load
+# (YAML, overrides and assignments alike) and writes them into the JSON Schema.
+Positive = Field(gt=0)
+NonNegative = Field(ge=0)
+AtLeastOne = Field(ge=1)
+Fraction = Field(ge=0, le=1)
+Port = Field(ge=0, le=65535)
 
 
-Positive = Range(gt=0)
-NonNegative = Range(ge=0)
-AtLeastOne = Range(ge=1)
-Fraction = Range(ge=0, le=1)
-Port = Range(ge=0, le=65535)
+class Section(BaseModel):
+    """A node of the tree: unknown keys refused, assignments validated, each field's docstring its
+    description in the schema. Values from YAML are checked strictly (an integer field takes an
+    integer, not 2.0 or "2"; a boolean takes true/false), but a number in a text field is its text
+    and a comma-separated string in a list field is its items."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_scalar(cls, value: Any, info) -> Any:
+        tp = cls.model_fields[info.field_name].annotation
+        if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # `name: 7` in YAML is the name "7"
+        if typing.get_origin(tp) is list and isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]  # `backends: jsonl,wandb`
+        return value
 
 
-@dataclass
-class RunConfig:
+class RunConfig(Section):
     name: str = "tiny"
-    dir: str = "runs"  # the run directory is {dir}/{name}
+    dir: str = "runs"
+    """the run directory is {dir}/{name}"""
     max_steps: Annotated[int, AtLeastOne] = 20
     seed: int = 0
-    mode: Literal["async", "sync"] = "async"  # sync: the lockstep baseline (asyncrl/modes.py)
-    resume: bool = False  # launcher: keep the run's Redis state (and, with checkpoints, resume the learner)
-    # Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off.
+    mode: Literal["async", "sync"] = "async"
+    """sync: the lockstep baseline (asyncrl/modes.py)"""
+    resume: bool = False
+    """launcher: keep the run's Redis state (and, with checkpoints, resume the learner)"""
     stall_timeout_s: Annotated[float, NonNegative] = 300.0
-    on_stall: Literal["warn", "fail"] = "warn"  # fail: the launcher stops the run with exit code 3
-    # CPU affinity when no role's `cpus` is set. auto: on a machine of at most 4 CPUs the launcher pins the
-    # roles apart (asyncrl/launch/affinity.py); off: never pins unless a role's `cpus` says so.
+    """Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off."""
+    on_stall: Literal["warn", "fail"] = "warn"
+    """fail: the launcher stops the run with exit code 3"""
     affinity: Literal["auto", "off"] = "auto"
+    """CPU affinity when no role's `cpus` is set. auto: on a machine of at most 4 CPUs the launcher pins the
+    roles apart (asyncrl/launch/affinity.py); off: never pins unless a role's `cpus` says so."""
 
 
-@dataclass
-class ModelConfig:
-    # A Hugging Face model directory or hub name. Empty: a tiny model is written to {run_dir}/tiny-model.
+class ModelConfig(Section):
     path: str = ""
-    tiny_warm_start_steps: int = 30  # supervised warm start of the tiny model (format only, see tiny_model.py)
-    tiny_warm_start_lr: float = 3e-3  # larger shapes want less (the gpu-copy benchmark preset: 1e-3)
+    """A Hugging Face model directory or hub name. Empty: a tiny model is written to {run_dir}/tiny-model."""
+    tiny_warm_start_steps: int = 30
+    """supervised warm start of the tiny model (format only, see tiny_model.py)"""
+    tiny_warm_start_lr: float = 3e-3
+    """larger shapes want less (the gpu-copy benchmark preset: 1e-3)"""
     tiny_hidden_size: int = 128
     tiny_num_layers: int = 2
-    tiny_num_heads: int = 0  # 0: tiny_hidden_size // 64, i.e. head dimension 64 (what vLLM's CPU attention takes)
+    tiny_num_heads: int = 0
+    """0: tiny_hidden_size // 64, i.e. head dimension 64 (what vLLM's CPU attention takes)"""
     tiny_num_kv_heads: int = 1
-    tiny_intermediate_size: int = 0  # 0: 2 * tiny_hidden_size
+    tiny_intermediate_size: int = 0
+    """0: 2 * tiny_hidden_size"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     task: Literal["copy", "gsm8k", "prompts", "arith"] = "copy"
-    num_prompts: Annotated[int, AtLeastOne] = 1024  # copy and arith tasks: training prompts drawn from run.seed
+    num_prompts: Annotated[int, AtLeastOne] = 1024
+    """copy and arith tasks: training prompts drawn from run.seed"""
     alphabet: str = "abcdefgh"
     min_len: Annotated[int, AtLeastOne] = 2
     max_len: Annotated[int, AtLeastOne] = 4
-    # arith (asyncrl/tasks/arith.py): `a OP b`, OP from these, operands of min..max digits, asked in this prompt.
     arith_ops: str = "+-"
-    arith_min_digits: Annotated[int, Range(ge=1, le=9)] = 2
-    arith_max_digits: Annotated[int, Range(ge=1, le=9)] = 2
-    arith_nonnegative: bool = False  # a - b with a >= b (operands swapped where needed)
+    """arith (asyncrl/tasks/arith.py): `a OP b`, OP from these, operands of min..max digits, asked in this prompt."""
+    arith_min_digits: Annotated[int, Field(ge=1, le=9)] = 2
+    arith_max_digits: Annotated[int, Field(ge=1, le=9)] = 2
+    arith_nonnegative: bool = False
+    """a - b with a >= b (operands swapped where needed)"""
     arith_prompt: str = "What is {a} {op} {b}? Answer with the number only."
-    # gsm8k / prompts: a parquet or jsonl file (`asyncrl data gsm8k` writes train/test parquet).
     path: str = ""
+    """gsm8k / prompts: a parquet or jsonl file (`asyncrl data gsm8k` writes train/test parquet)."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    id_key: str = ""  # empty: rows are named {file stem}-{row index}
-    max_prompt_chars: Annotated[int, NonNegative] = 0  # > 0: rows with longer prompts are skipped (tiny-model runs)
-    chat_template: bool = False  # apply the tokenizer's chat template (plain text when it has none)
+    id_key: str = ""
+    """empty: rows are named {file stem}-{row index}"""
+    max_prompt_chars: Annotated[int, NonNegative] = 0
+    """> 0: rows with longer prompts are skipped (tiny-model runs)"""
+    chat_template: bool = False
+    """apply the tokenizer's chat template (plain text when it has none)"""
 
 
-@dataclass
-class RewardConfig:
-    name: Literal["copy", "gsm8k", "math", "exact_match", "format", "arith"] = "copy"  # registry: asyncrl/tasks/rewards.py
-    # A user function `my_pkg.mod:score`, called score(completion, answer, **row) -> float; replaces `name`.
+class RewardConfig(Section):
+    name: Literal["copy", "gsm8k", "math", "exact_match", "format", "arith"] = "copy"
+    """registry: asyncrl/tasks/rewards.py"""
     function: str = ""
-    # A Hugging Face sequence-classification model (num_labels=1) scoring prompt+completion, one batch
-    # per group; replaces `name`.
+    """A user function `my_pkg.mod:score`, called score(completion, answer, **row) -> float; replaces `name`."""
     model: str = ""
+    """A Hugging Face sequence-classification model (num_labels=1) scoring prompt+completion, one batch
+    per group; replaces `name`."""
     model_batch_size: Annotated[int, AtLeastOne] = 16
-    format_regex: str = r"^\s*\S.*$"  # reward.name=format: 1.0 when the completion matches (re.DOTALL)
-    extract: Literal["auto", "hash", "boxed", "last_number"] = "auto"  # math rewards: see math_reward.py
-    format_bonus: float = 0.0  # math rewards: score of a well-formatted but wrong answer
-    math_verify: bool = True  # math rewards: use math-verify for non-numeric answers when installed
-    workers: Annotated[int, AtLeastOne] = 4  # threads a generator scores groups on, off its event loop
+    format_regex: str = r"^\s*\S.*$"
+    """reward.name=format: 1.0 when the completion matches (re.DOTALL)"""
+    extract: Literal["auto", "hash", "boxed", "last_number"] = "auto"
+    """math rewards: see math_reward.py"""
+    format_bonus: float = 0.0
+    """math rewards: score of a well-formatted but wrong answer"""
+    math_verify: bool = True
+    """math rewards: use math-verify for non-numeric answers when installed"""
+    workers: Annotated[int, AtLeastOne] = 4
+    """threads a generator scores groups on, off its event loop"""
 
 
-@dataclass
-class EvalConfig:
-    every: Annotated[int, NonNegative] = 0  # learner steps between evaluation rounds; 0: no evaluation
-    num_prompts: Annotated[int, AtLeastOne] = 64  # the first rows of the held-out set
-    k: Annotated[int, NonNegative] = 4  # samples per prompt at generator.temperature for mean@k; 0: greedy only
-    path: str = ""  # empty: the test split beside data.path (train -> test in the file name)
-    timeout_s: Annotated[float, Positive] = 600.0  # a round not complete by then is logged as incomplete and dropped
-    before_train: bool = True  # also evaluate the starting weights (version 0) when the learner starts
+class EvalConfig(Section):
+    every: Annotated[int, NonNegative] = 0
+    """learner steps between evaluation rounds; 0: no evaluation"""
+    num_prompts: Annotated[int, AtLeastOne] = 64
+    """the first rows of the held-out set"""
+    k: Annotated[int, NonNegative] = 4
+    """samples per prompt at generator.temperature for mean@k; 0: greedy only"""
+    path: str = ""
+    """empty: the test split beside data.path (train -> test in the file name)"""
+    timeout_s: Annotated[float, Positive] = 600.0
+    """a round not complete by then is logged as incomplete and dropped"""
+    before_train: bool = True
+    """also evaluate the starting weights (version 0) when the learner starts"""
 
 
-@dataclass
-class GeneratorConfig:
-    num_generators: Annotated[int, NonNegative] = 1  # launcher only: how many generator processes `asyncrl run` starts
+class GeneratorConfig(Section):
+    num_generators: Annotated[int, NonNegative] = 1
+    """launcher only: how many generator processes `asyncrl run` starts"""
     backend: Literal["vllm", "hf"] = "vllm"
-    n: Annotated[int, AtLeastOne] = 8  # samples per prompt: one GRPO group
+    n: Annotated[int, AtLeastOne] = 8
+    """samples per prompt: one GRPO group"""
     max_tokens: Annotated[int, AtLeastOne] = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_concurrent_groups: Annotated[int, AtLeastOne] = 16  # prompts leased and in flight at once
+    max_concurrent_groups: Annotated[int, AtLeastOne] = 16
+    """prompts leased and in flight at once"""
     heartbeat_s: Annotated[float, Positive] = 1.0
     heartbeat_ttl_s: Annotated[float, Positive] = 10.0
     # vLLM engine settings, passed through.
@@ -151,38 +173,48 @@ class GeneratorConfig:
     dtype: str = "auto"
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.5
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.5
     tensor_parallel_size: Annotated[int, AtLeastOne] = 1
-    kv_cache_gb: Annotated[float, Positive] = 1.0  # CPU build only: VLLM_CPU_KVCACHE_SPACE
-    cpu_threads: Annotated[int, AtLeastOne] = 1  # CPU build only: OMP threads per engine
-    cpus: str = ""  # CPU list this role's processes run on ("0", "0-3,8"); empty: no pinning (asyncrl/launch/affinity.py)
-    drain_timeout_s: Annotated[float, NonNegative] = 120.0  # SIGTERM: in-flight groups not done by then are handed back to the buffer
+    kv_cache_gb: Annotated[float, Positive] = 1.0
+    """CPU build only: VLLM_CPU_KVCACHE_SPACE"""
+    cpu_threads: Annotated[int, AtLeastOne] = 1
+    """CPU build only: OMP threads per engine"""
+    cpus: str = ""
+    """CPU list this role's processes run on ("0", "0-3,8"); empty: no pinning (asyncrl/launch/affinity.py)"""
+    drain_timeout_s: Annotated[float, NonNegative] = 120.0
+    """SIGTERM: in-flight groups not done by then are handed back to the buffer"""
 
 
-@dataclass
-class BufferConfig:
-    redis_url: str = ""  # empty: `asyncrl run` starts a local redis-server on a free port
+class BufferConfig(Section):
+    redis_url: str = ""
+    """empty: `asyncrl run` starts a local redis-server on a free port"""
     bind_host: str = "127.0.0.1"
-    ingest_port: Annotated[int, Port] = 0  # 0: a free port, published in Redis for generators to find
-    capacity: Annotated[int, AtLeastOne] = 4096  # undelivered trajectory groups; past it ingest stops pulling (backpressure)
-    lease_timeout_s: Annotated[float, Positive] = 60.0  # a leased prompt not finished by then is handed to another generator
+    ingest_port: Annotated[int, Port] = 0
+    """0: a free port, published in Redis for generators to find"""
+    capacity: Annotated[int, AtLeastOne] = 4096
+    """undelivered trajectory groups; past it ingest stops pulling (backpressure)"""
+    lease_timeout_s: Annotated[float, Positive] = 60.0
+    """a leased prompt not finished by then is handed to another generator"""
     max_frame_bytes: Annotated[int, AtLeastOne] = 16 * 1024 * 1024
-    # Refuse groups whose group id the buffer never released (buffers/service.py `check_run`). Off
-    # only for tests and benchmarks that push synthetic groups straight to the ingest socket.
     check_released: bool = True
+    """Refuse groups whose group id the buffer never released (buffers/service.py `check_run`). Off
+    only for tests and benchmarks that push synthetic groups straight to the ingest socket."""
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
-    prompt_backlog: Annotated[int, AtLeastOne] = 64  # released-but-unleased prompts kept in the stream at most
-    redis_retry_s: Annotated[float, Positive] = 600.0  # every role retries a lost Redis (restart) this long before failing
-    drain_timeout_s: Annotated[float, Positive] = 10.0  # SIGTERM: the buffer is gone by then, Redis up or down
-    # How the learner picks groups (learners/reader.py): oldest first; newest first within the
-    # staleness bound; or each group reused up to `replay_ratio` times within the staleness bound.
+    prompt_backlog: Annotated[int, AtLeastOne] = 64
+    """released-but-unleased prompts kept in the stream at most"""
+    redis_retry_s: Annotated[float, Positive] = 600.0
+    """every role retries a lost Redis (restart) this long before failing"""
+    drain_timeout_s: Annotated[float, Positive] = 10.0
+    """SIGTERM: the buffer is gone by then, Redis up or down"""
     sampling: Literal["fifo", "newest", "replay"] = "fifo"
+    """How the learner picks groups (learners/reader.py): oldest first; newest first within the
+    staleness bound; or each group reused up to `replay_ratio` times within the staleness bound."""
     replay_ratio: Annotated[int, AtLeastOne] = 1
-    cpus: str = ""  # CPU list of the buffer (and the launcher's local redis-server); empty: no pinning
+    cpus: str = ""
+    """CPU list of the buffer (and the launcher's local redis-server); empty: no pinning"""
 
 
-@dataclass
-class MixedPrecisionConfig:
+class MixedPrecisionConfig(Section):
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -190,54 +222,64 @@ class MixedPrecisionConfig:
 QWEN2_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@dataclass
-class LoraConfig:
+class LoraConfig(Section):
     """LoRA adapters through peft (learners/lora.py); generators always receive merged full weights."""
 
     enabled: bool = False
     rank: Annotated[int, AtLeastOne] = 8
-    alpha: Annotated[float, Positive] = 16.0  # scale = alpha / rank
-    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0  # > 0 makes pi_prox (no-grad pass) and pi_theta differ by dropout noise
-    # Module names (suffixes) that get adapters; default: the attention and MLP projections of Qwen2.
-    target_modules: list[str] = field(default_factory=lambda: list(QWEN2_LORA_TARGETS))
+    alpha: Annotated[float, Positive] = 16.0
+    """scale = alpha / rank"""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """> 0 makes pi_prox (no-grad pass) and pi_theta differ by dropout noise"""
+    target_modules: list[str] = Field(default_factory=lambda: list(QWEN2_LORA_TARGETS))
+    """Module names (suffixes) that get adapters; default: the attention and MLP projections of Qwen2."""
 
 
-@dataclass
-class LearnerConfig:
-    nproc: Annotated[int, AtLeastOne] = 1  # torchrun ranks (FSDP2)
-    param_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state on CPU
-    optimizer_offload: bool = False  # FSDP2 offloads optimizer state only together with parameters
+class LearnerConfig(Section):
+    nproc: Annotated[int, AtLeastOne] = 1
+    """torchrun ranks (FSDP2)"""
+    param_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state on CPU"""
+    optimizer_offload: bool = False
+    """FSDP2 offloads optimizer state only together with parameters"""
     reshard_after_forward: bool = True
-    # false: one FSDP2 unit for the whole model instead of one per decoder layer: far fewer hooks and
-    # collectives per step, for one GPU (nothing to overlap there) with memory for all the gradients.
     shard_layers: bool = True
-    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """false: one FSDP2 unit for the whole model instead of one per decoder layer: far fewer hooks and
+    collectives per step, for one GPU (nothing to overlap there) with memory for all the gradients."""
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile each decoder layer
-    # Keep the output head's logits (matmul dtype) for the backward instead of recomputing them, when
-    # all of one micro-batch's completion-token logits fit in this many GiB (0: always recompute).
+    compile: bool = False
+    """torch.compile each decoder layer"""
     keep_logits_gb: Annotated[float, NonNegative] = 0.0
+    """Keep the output head's logits (matmul dtype) for the backward instead of recomputing them, when
+    all of one micro-batch's completion-token logits fit in this many GiB (0: always recompute)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: Annotated[int, NonNegative] = 0
-    min_lr_ratio: Annotated[float, Fraction] = 0.0  # cosine floor as a fraction of lr
+    min_lr_ratio: Annotated[float, Fraction] = 0.0
+    """cosine floor as a fraction of lr"""
     lr: Annotated[float, Positive] = 5e-4
     weight_decay: Annotated[float, NonNegative] = 0.0
-    batch_groups: Annotated[int, AtLeastOne] = 8  # prompt groups a learner step consumes
-    ppo_epochs: Annotated[int, AtLeastOne] = 1  # passes over the step's groups
-    # Disjoint mini-batches of whole groups per epoch, one optimizer step each (reshuffled every epoch).
+    batch_groups: Annotated[int, AtLeastOne] = 8
+    """prompt groups a learner step consumes"""
+    ppo_epochs: Annotated[int, AtLeastOne] = 1
+    """passes over the step's groups"""
     minibatches: Annotated[int, AtLeastOne] = 1
-    # Tokens (prompt + completion) one micro-batch may hold on one rank; gradients accumulate over the
-    # micro-batches of a mini-batch. 0: chosen from the model size and device memory (learners/packing.py).
+    """Disjoint mini-batches of whole groups per epoch, one optimizer step each (reshuffled every epoch)."""
     micro_batch_tokens: Annotated[int, NonNegative] = 0
-    # A micro-batch's sequences in one row, attention kept inside each sequence (no FLOPs on padding).
+    """Tokens (prompt + completion) one micro-batch may hold on one rank; gradients accumulate over the
+    micro-batches of a mini-batch. 0: chosen from the model size and device memory (learners/packing.py)."""
     packing: bool = True
+    """A micro-batch's sequences in one row, attention kept inside each sequence (no FLOPs on padding)."""
     max_grad_norm: Annotated[float, Positive] = 1.0
-    poll_s: Annotated[float, Positive] = 0.5  # how long rank 0 blocks on Redis before re-checking membership
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    # algorithm.advantage=gae: the value model (learners/critic.py), a full-parameter decoder + value head.
-    critic_path: str = ""  # empty: model.path
+    poll_s: Annotated[float, Positive] = 0.5
+    """how long rank 0 blocks on Redis before re-checking membership"""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    critic_path: str = ""
+    """algorithm.advantage=gae: the value model (learners/critic.py), a full-parameter decoder + value head.
+    empty: model.path"""
     critic_lr: Annotated[float, Positive] = 1e-4
-    cpus: str = ""  # CPU list of the learner's ranks (torch threads = CPUs / nproc); empty: no pinning
+    cpus: str = ""
+    """CPU list of the learner's ranks (torch threads = CPUs / nproc); empty: no pinning"""
 
 
 def _registered(family: str) -> Any:
@@ -254,57 +296,78 @@ AggregationName = _registered("AGGREGATIONS")
 RolloutRSName = _registered("ROLLOUT_CORRECTIONS")
 
 
-@dataclass
-class AlgorithmConfig:
-    # Every algorithm's value, what it is for and its reference: docs/algorithms.md (from asyncrl/registry.py).
-    # gae trains a critic (learners/critic.py) and remax subtracts the reward of one greedy completion per
-    # prompt (generated beside the samples, not trained); both work with generator.n=1. The others are
-    # group baselines.
+class AlgorithmConfig(Section):
     advantage: AdvantageName = "grpo"
+    """Every algorithm's value, what it is for and its reference: docs/algorithms.md (from asyncrl/registry.py).
+    gae trains a critic (learners/critic.py) and remax subtracts the reward of one greedy completion per
+    prompt (generated beside the samples, not trained); both work with generator.n=1. The others are
+    group baselines."""
     loss: PolicyLossName = "decoupled_ppo"
     clip_low: Annotated[float, NonNegative] = 0.2
-    clip_high: Annotated[float, NonNegative] = 0.2  # > clip_low: DAPO clip-higher
-    dual_clip: float = 0.0  # > 1: dual-clip bound on negative-advantage tokens; 0: off
-    is_cap: Annotated[float, Range(ge=1)] = 2.0  # C in min(pi_prox / mu, C)
-    is_level: Literal["token", "sequence"] = "token"  # truncated IS weight per token or per sequence
-    mis_low: Annotated[float, Positive] = 0.5  # masked IS (loss=mis): tokens with pi/mu outside [low, high] are dropped
+    clip_high: Annotated[float, NonNegative] = 0.2
+    """> clip_low: DAPO clip-higher"""
+    dual_clip: float = 0.0
+    """> 1: dual-clip bound on negative-advantage tokens; 0: off"""
+    is_cap: Annotated[float, Field(ge=1)] = 2.0
+    """C in min(pi_prox / mu, C)"""
+    is_level: Literal["token", "sequence"] = "token"
+    """truncated IS weight per token or per sequence"""
+    mis_low: Annotated[float, Positive] = 0.5
+    """masked IS (loss=mis): tokens with pi/mu outside [low, high] are dropped"""
     mis_high: float = 2.0
-    kl_coef: Annotated[float, NonNegative] = 0.0  # KL to the frozen reference (the initial model); 0: no reference is loaded
+    kl_coef: Annotated[float, NonNegative] = 0.0
+    """KL to the frozen reference (the initial model); 0: no reference is loaded"""
     kl_estimator: KLEstimatorName = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"  # reward: kl_coef * per-token KL subtracted from each token's reward
-    kl_target: Annotated[float, NonNegative] = 0.0  # > 0: adaptive coefficient tracking this KL (PPO controller); 0: fixed
+    kl_in: Literal["loss", "reward"] = "loss"
+    """reward: kl_coef * per-token KL subtracted from each token's reward"""
+    kl_target: Annotated[float, NonNegative] = 0.0
+    """> 0: adaptive coefficient tracking this KL (PPO controller); 0: fixed"""
     kl_horizon: Annotated[int, AtLeastOne] = 10000
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards have zero variance (counted)
-    overlong_buffer: Annotated[int, NonNegative] = 0  # DAPO overlong shaping: linear penalty over the last N tokens before max_tokens
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards have zero variance (counted)"""
+    overlong_buffer: Annotated[int, NonNegative] = 0
+    """DAPO overlong shaping: linear penalty over the last N tokens before max_tokens"""
     overlong_penalty: Annotated[float, NonNegative] = 1.0
-    max_staleness: Annotated[int, NonNegative] = 1  # policy versions a trained token may lag behind the learner
-    # top_p < 1 / top_k > 0 make behaviour log-probs those of the truncated distribution while the learner's
-    # are full-softmax: the off-policy losses then see a biased ratio. Allow it only knowingly.
+    max_staleness: Annotated[int, NonNegative] = 1
+    """policy versions a trained token may lag behind the learner"""
     allow_truncated_sampling: bool = False
+    """top_p < 1 / top_k > 0 make behaviour log-probs those of the truncated distribution while the learner's
+    are full-softmax: the off-policy losses then see a biased ratio. Allow it only knowingly."""
     aggregation: AggregationName = "token_mean"
-    loss_norm_tokens: Annotated[int, NonNegative] = 0  # seq_mean_token_sum_norm's constant; 0: generator.max_tokens
-    critic_aggregation: AggregationName = "token_mean"  # advantage=gae: the value loss's aggregation
-    # Discount (GAE and REINFORCE++), GAE lambda and PPO value clipping (|V - V_old| <= value_clip; 0: off).
+    loss_norm_tokens: Annotated[int, NonNegative] = 0
+    """seq_mean_token_sum_norm's constant; 0: generator.max_tokens"""
+    critic_aggregation: AggregationName = "token_mean"
+    """advantage=gae: the value loss's aggregation"""
     gamma: Annotated[float, Fraction] = 1.0
+    """Discount (GAE and REINFORCE++), GAE lambda and PPO value clipping (|V - V_old| <= value_clip; 0: off)."""
     lam: Annotated[float, Fraction] = 0.95
     value_clip: Annotated[float, NonNegative] = 0.2
-    entropy_coef: Annotated[float, NonNegative] = 0.0  # loss -= entropy_coef * aggregated exact entropy
-    # Rollout correction (asyncrl/algorithms/rollout_correction.py): reject tokens / sequences by their pi_prox / mu,
-    # e.g. rollout_rs=[token_k1,seq_mean_k3] rollout_rs_threshold=[2.0,0.01] (one threshold, or one each).
-    rollout_rs: list[RolloutRSName] = field(default_factory=list)
-    rollout_rs_threshold: list[float] = field(default_factory=lambda: [2.0])
-    is_normalize: bool = False  # divide the loss's behaviour IS weights by their batch mean (mean 1)
-    # advantage=optimal_token_baseline: scale each token's energy by rho^2, rho the loss's truncated
-    # behaviour IS weight (min(pi/mu, is_cap) for decoupled_ppo / tis): the baseline for off-policy samples.
+    entropy_coef: Annotated[float, NonNegative] = 0.0
+    """loss -= entropy_coef * aggregated exact entropy"""
+    rollout_rs: list[RolloutRSName] = Field(default_factory=list)
+    """Rollout correction (asyncrl/algorithms/rollout_correction.py): reject tokens / sequences by their pi_prox / mu,
+    e.g. rollout_rs=[token_k1,seq_mean_k3] rollout_rs_threshold=[2.0,0.01] (one threshold, or one each)."""
+    rollout_rs_threshold: list[float] = Field(default_factory=lambda: [2.0])
+    is_normalize: bool = False
+    """divide the loss's behaviour IS weights by their batch mean (mean 1)"""
     otb_is_weights: bool = False
-    passk_norm_std: bool = True  # advantage=grpo_passk: divide the margin by the group's std
-    sapo_tau_pos: Annotated[float, Positive] = 1.0  # loss=sapo: gate temperature for A > 0
-    sapo_tau_neg: Annotated[float, Positive] = 1.05  # loss=sapo: gate temperature for A <= 0
-    cov_ratio: Annotated[float, Range(gt=0, le=1)] = 0.0002  # loss=clip_cov / kl_cov: fraction of tokens picked
-    cov_lb: float = 1.0  # loss=clip_cov: covariance band (lb, ub) of the tokens that may be detached
+    """advantage=optimal_token_baseline: scale each token's energy by rho^2, rho the loss's truncated
+    behaviour IS weight (min(pi/mu, is_cap) for decoupled_ppo / tis): the baseline for off-policy samples."""
+    passk_norm_std: bool = True
+    """advantage=grpo_passk: divide the margin by the group's std"""
+    sapo_tau_pos: Annotated[float, Positive] = 1.0
+    """loss=sapo: gate temperature for A > 0"""
+    sapo_tau_neg: Annotated[float, Positive] = 1.05
+    """loss=sapo: gate temperature for A <= 0"""
+    cov_ratio: Annotated[float, Field(gt=0, le=1)] = 0.0002
+    """loss=clip_cov / kl_cov: fraction of tokens picked"""
+    cov_lb: float = 1.0
+    """loss=clip_cov: covariance band (lb, ub) of the tokens that may be detached"""
     cov_ub: float = 5.0
-    cov_kl_coef: Annotated[float, NonNegative] = 1.0  # loss=kl_cov: weight of |log r| on the picked tokens
-    dppo_ratio_cap: Annotated[float, Range(ge=1)] = 20.0  # loss=dppo_*: C in sg(min(r, C)); the masks use clip_low/high
+    cov_kl_coef: Annotated[float, NonNegative] = 1.0
+    """loss=kl_cov: weight of |log r| on the picked tokens"""
+    dppo_ratio_cap: Annotated[float, Field(ge=1)] = 20.0
+    """loss=dppo_*: C in sg(min(r, C)); the masks use clip_low/high"""
 
     def config_errors(self) -> list[str]:
         """Cross-field mistakes within the algorithm section, one message each."""
@@ -339,82 +402,94 @@ class AlgorithmConfig:
         return errors
 
 
-@dataclass
-class WeightsConfig:
+class WeightsConfig(Section):
     mode: Literal["keep", "abort", "drain"] = "keep"
     sync_every: Annotated[int, AtLeastOne] = 1
     bucket_mb: Annotated[float, Positive] = 64.0
-    # Generators stage all buckets before loading, so a failed broadcast leaves old, whole weights;
-    # false streams bucket by bucket into the model (less memory, but a failure mid-way is fatal).
     atomic: bool = True
-    join_timeout_s: Annotated[float, Positive] = 30.0  # members that do not join a new group epoch by then are dropped
-    sync_timeout_s: Annotated[float, Positive] = 60.0  # a broadcast that does not finish by then fails the epoch
-    port: Annotated[int, Port] = 0  # 0: a free port for the weight group's TCPStore
-    # auto: nccl when the learner is on CUDA, else gloo; `asyncrl run` (one host, every role on GPU 0)
-    # makes it gloo: one GPU shared by the learner and vLLM cannot hold two NCCL ranks, so the buckets
-    # go through host memory instead. ipc: CUDA IPC handles of the learner's bucket buffer for
-    # generators on the learner's node (one GPU shared by both included): no copy through the host.
+    """Generators stage all buckets before loading, so a failed broadcast leaves old, whole weights;
+    false streams bucket by bucket into the model (less memory, but a failure mid-way is fatal)."""
+    join_timeout_s: Annotated[float, Positive] = 30.0
+    """members that do not join a new group epoch by then are dropped"""
+    sync_timeout_s: Annotated[float, Positive] = 60.0
+    """a broadcast that does not finish by then fails the epoch"""
+    port: Annotated[int, Port] = 0
+    """0: a free port for the weight group's TCPStore"""
     backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
-    # Per-bucket checksums both ends compare after every sync. full: every byte; sampled: one word per
-    # 4 KiB of each one-tensor bucket of 1 MiB or more, the rest in full (catches lost, stale, shifted
-    # or truncated buckets at 1/64 of the reads); auto: full on nccl (a GPU reduction), sampled on gloo.
+    """auto: nccl when the learner is on CUDA, else gloo; `asyncrl run` (one host, every role on GPU 0)
+    makes it gloo: one GPU shared by the learner and vLLM cannot hold two NCCL ranks, so the buckets
+    go through host memory instead. ipc: CUDA IPC handles of the learner's bucket buffer for
+    generators on the learner's node (one GPU shared by both included): no copy through the host."""
     checksum: Literal["auto", "full", "sampled"] = "auto"
+    """Per-bucket checksums both ends compare after every sync. full: every byte; sampled: one word per
+    4 KiB of each one-tensor bucket of 1 MiB or more, the rest in full (catches lost, stale, shifted
+    or truncated buckets at 1/64 of the reads); auto: full on nccl (a GPU reduction), sampled on gloo."""
 
 
-@dataclass
-class CheckpointConfig:
-    every: Annotated[int, NonNegative] = 0  # 0: no checkpoints; trajectories are then acked right after their step
-    dir: str = ""  # empty: {run_dir}/checkpoints
-    keep: Annotated[int, AtLeastOne] = 2  # complete checkpoints kept
-    resume: Literal["auto", "never", "must"] = "auto"  # auto: resume the latest complete checkpoint
-    export_hf: bool = True  # write {run_dir}/hf-final (safetensors) when the run ends
+class CheckpointConfig(Section):
+    every: Annotated[int, NonNegative] = 0
+    """0: no checkpoints; trajectories are then acked right after their step"""
+    dir: str = ""
+    """empty: {run_dir}/checkpoints"""
+    keep: Annotated[int, AtLeastOne] = 2
+    """complete checkpoints kept"""
+    resume: Literal["auto", "never", "must"] = "auto"
+    """auto: resume the latest complete checkpoint"""
+    export_hf: bool = True
+    """write {run_dir}/hf-final (safetensors) when the run ends"""
 
 
-@dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    # Learner rank 0 writes every step (the fleet's metrics included) to each backend.
-    backends: list[Literal["jsonl", "wandb", "tensorboard"]] = field(default_factory=lambda: ["jsonl"])
+    backends: list[Literal["jsonl", "wandb", "tensorboard"]] = Field(default_factory=lambda: ["jsonl"])
+    """Learner rank 0 writes every step (the fleet's metrics included) to each backend."""
     wandb_project: str = "asyncrl"
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: files under {run_dir}/wandb
-    prometheus: bool = True  # a /metrics endpoint in every process
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """offline: files under {run_dir}/wandb"""
+    prometheus: bool = True
+    """a /metrics endpoint in every process"""
     prometheus_host: str = "127.0.0.1"
-    prometheus_port: Annotated[int, Port] = 0  # 0: a free port; N: N, or the next free one up to N+63. Published in Redis.
-    lag_history: Annotated[int, NonNegative] = 100  # batches whose version-lag histogram `asyncrl status` shows
+    prometheus_port: Annotated[int, Port] = 0
+    """0: a free port; N: N, or the next free one up to N+63. Published in Redis."""
+    lag_history: Annotated[int, NonNegative] = 100
+    """batches whose version-lag histogram `asyncrl status` shows"""
 
 
-@dataclass
-class DeployConfig:
-    # The interface every server of this run binds (learner weight-group store; the buffer has
-    # buffer.bind_host). Localhost unless a multi-node run names the node's interface (docs/deploy.md).
+class DeployConfig(Section):
     bind_host: str = "127.0.0.1"
-    # The address other nodes reach this node's servers at, published in Redis for the buffer's
-    # ingest socket and the weight-group store. Empty: the bind address (buffer.bind_host,
-    # deploy.bind_host), or this node's host name when that is 0.0.0.0.
+    """The interface every server of this run binds (learner weight-group store; the buffer has
+    buffer.bind_host). Localhost unless a multi-node run names the node's interface (docs/deploy.md)."""
     advertise_host: str = ""
-    redis_password_file: str = ""  # a file holding the Redis password (never on a command line)
-    run_token_file: str = ""  # a file holding the run token every generator must present
-    curve_keys_dir: str = ""  # `asyncrl keys generate --out DIR`: ZeroMQ CURVE between generators and buffer
-    slurm_partition: str = ""  # `asyncrl submit slurm` defaults; --partition etc. override
+    """The address other nodes reach this node's servers at, published in Redis for the buffer's
+    ingest socket and the weight-group store. Empty: the bind address (buffer.bind_host,
+    deploy.bind_host), or this node's host name when that is 0.0.0.0."""
+    redis_password_file: str = ""
+    """a file holding the Redis password (never on a command line)"""
+    run_token_file: str = ""
+    """a file holding the run token every generator must present"""
+    curve_keys_dir: str = ""
+    """`asyncrl keys generate --out DIR`: ZeroMQ CURVE between generators and buffer"""
+    slurm_partition: str = ""
+    """`asyncrl submit slurm` defaults; --partition etc. override"""
     slurm_time: str = "24:00:00"
-    slurm_extra: list[str] = field(default_factory=list)  # extra `#SBATCH` lines, e.g. ["--account=rl"]
+    slurm_extra: list[str] = Field(default_factory=list)
+    """extra `#SBATCH` lines, e.g. ["--account=rl"]"""
 
 
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    weights: WeightsConfig = field(default_factory=WeightsConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    deploy: DeployConfig = field(default_factory=DeployConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -449,10 +524,8 @@ class Config:
         return bool(registry.ADVANTAGES.static_meta(self.algorithm.advantage).get(flag, False))
 
     def validate(self) -> Config:
-        """Declared bounds (`Range` on the fields), then cross-field checks; each error names the
-        dotted path and the fix."""
-        for message in _range_errors(self, ""):
-            raise ConfigError(message)
+        """Cross-field checks (types, choices and declared bounds are checked by pydantic at load);
+        each error names the dotted path and the fix."""
         checks = [
             # GAE's baseline is the critic and ReMax's the prompt's greedy completion, not the group,
             # so only the group advantages need n > 1.
@@ -556,114 +629,71 @@ class Config:
 # ---- loading -------------------------------------------------------------------------------------
 
 
-def _range_errors(node: Any, path: str) -> typing.Iterator[str]:
-    """One message per field whose value breaks the `Range` declared on it."""
-    hints = typing.get_type_hints(type(node), include_extras=True)
-    for f in dataclasses.fields(node):
-        value, tp = getattr(node, f.name), hints[f.name]
-        sub = f"{path}.{f.name}" if path else f.name
-        if dataclasses.is_dataclass(value):
-            yield from _range_errors(value, sub)
-        elif typing.get_origin(tp) is Annotated:
-            for bound in tp.__metadata__:
-                if isinstance(bound, Range) and bound.violated(value):
-                    yield f"{sub} must be {bound.describe()}, got {value!r}"
+def _bounds(field) -> str:
+    """The range declared on a field, "> 0 and <= 1"."""
+    lo = hi = ""
+    for m in field.metadata:
+        if getattr(m, "gt", None) is not None:
+            lo = f"> {m.gt:g}"
+        elif getattr(m, "ge", None) is not None:
+            lo = f">= {m.ge:g}"
+        if getattr(m, "lt", None) is not None:
+            hi = f"< {m.lt:g}"
+        elif getattr(m, "le", None) is not None:
+            hi = f"<= {m.le:g}"
+    return " and ".join(x for x in (lo, hi) if x)
 
 
-class OverrideText(str):
-    """A `key=value` override's text as typed, with its YAML reading (`parsed`). The field's type
-    decides which one counts: a string field keeps the text (`data.alphabet=0123` stays "0123", not
-    the octal 83), a number or boolean field takes the reading."""
-
-    parsed: Any
-
-    def __new__(cls, text: str) -> OverrideText:
-        obj = super().__new__(cls, text)
-        obj.parsed = parse_override_value(text)
-        return obj
-
-    def as_text(self) -> str:
-        quoted = len(self) >= 2 and self[0] == self[-1] and self[0] in "'\""
-        return self.parsed if quoted and isinstance(self.parsed, str) else str(self)
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    """Checks (and for override text from the command line, converts) `value` against the annotation `tp`."""
-    origin = typing.get_origin(tp)
-    if isinstance(value, OverrideText):
-        if tp is str:
-            return value.as_text()
-        if origin is list:  # `[2, 3]` is a YAML list; `2,3` or `jsonl,wandb` are items typed one by one
-            if isinstance(value.parsed, list):
-                return _coerce(value.parsed, tp, path)
-            return _coerce([OverrideText(v.strip()) for v in value.as_text().split(",") if v.strip()], tp, path)
-        if origin in (typing.Union, types.UnionType) and value.parsed is not None:
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            return _coerce(value, args[0], path)
-        value = value.parsed
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], path)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if isinstance(value, str):  # `logging.backends=jsonl,wandb` on the command line
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
-    raise AssertionError(f"unsupported config annotation {tp} at {path}")
+def _walk(loc: tuple) -> tuple[str, Any, Any]:
+    """The dotted path of a pydantic error location (`algorithm.rollout_rs[1]`), the field it falls in
+    (None above the fields) and the annotation at that location."""
+    path, field, tp = "", None, Config
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+            args = typing.get_args(tp)
+            tp = args[0] if args else Any
+        elif isinstance(tp, type) and issubclass(tp, BaseModel) and part in tp.model_fields:
+            field = tp.model_fields[part]
+            tp = field.annotation
+            path = f"{path}.{part}" if path else str(part)
+        else:
+            path = f"{path}.{part}" if path else str(part)
+            field, tp = None, Any
+    return path, field, tp
 
 
-def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true/false", "string": "a string",
+             "list": "a list", "model": "a mapping", "dict": "a mapping"}
+
+
+def _message(error: dict, prefix: tuple = ()) -> str:
+    """One line for pydantic's first error, in the words of the key: `learner.lr must be > 0, got -2.0`."""
+    loc, kind, value = (*prefix, *error["loc"]), error["type"], error["input"]
+    if kind == "extra_forbidden":
+        path, _, parent = _walk(loc[:-1])
+        return _unknown_key(path, str(loc[-1]), list(parent.model_fields))
+    path, field, tp = _walk(loc)
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and field is not None:
+        value = float(value) if tp is float else value
+        return f"{path} must be {_bounds(field)}, got {value!r}"
+    if kind == "literal_error":
+        return f"{path}: {value!r} is not one of {list(typing.get_args(tp))}"
+    what = next((w for k, w in _EXPECTED.items() if kind.startswith(k + "_")), None)
+    if what is not None:
+        return f"{path or 'config'}: expected {what}, got {value!r}"
+    return f"{path or 'config'}: {error['msg']}, got {value!r}"
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     prefix = f"{path}." if path else ""
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
-    where = f"{path}.{key}" if path else key
-    return ConfigError(f"unknown config key '{where}'{hint}")
-
-
-def _build(cls: type, data: dict[str, Any], path: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            raise _unknown_key(path, key, list(fields))
-        sub = f"{path}.{key}" if path else key
-        tp = hints[key]
-        kwargs[key] = _build(tp, value, sub) if dataclasses.is_dataclass(tp) else _coerce(value, tp, sub)
-    return cls(**kwargs)
+    return f"unknown config key '{prefix}{key}'{hint}"
 
 
 def parse_override_value(text: str) -> Any:
-    """`key=value` values are YAML scalars: `1e-6`, `true`, `null`, `"quoted"`."""
+    """The YAML reading of an override's text: `1e-6`, `0x10`, `true`, `null`, `[2, 3]`, `"quoted"`."""
     import yaml
 
     try:
@@ -679,18 +709,62 @@ def parse_override_value(text: str) -> Any:
     return value
 
 
+def _is_text(tp: Any) -> bool:
+    """A field whose override is its text as typed: a string, or a choice among strings."""
+    return tp is str or (typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))
+
+
+def _override_value(text: str, tp: Any) -> Any:
+    """An override's text as the input for a field of type `tp`: a text field keeps the text
+    (`data.alphabet=0123` stays "0123", not the octal 83; quotes are taken off); a list takes a YAML
+    list or comma-separated items, each read by the item type; an optional field takes `null`; any
+    other field takes the YAML reading, which pydantic then coerces by the field's type."""
+    origin = typing.get_origin(tp)
+    if _is_text(tp):
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        parsed = parse_override_value(text) if quoted else None
+        return parsed if isinstance(parsed, str) else text
+    if origin is list:
+        parsed = parse_override_value(text)
+        items = parsed if isinstance(parsed, list) else [v.strip() for v in text.split(",") if v.strip()]
+        (item_tp,) = typing.get_args(tp)
+        return [_override_value(v, item_tp) if isinstance(v, str) else v for v in items]
+    if origin in (typing.Union, types.UnionType):
+        parsed = parse_override_value(text)
+        if parsed is None:
+            return None
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _override_value(text, args[0]) if len(args) == 1 else parsed
+    return parse_override_value(text)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Sets each `section.key=value` in the YAML mapping, its text coerced by the field's type (pydantic's
+    lax mode: `1e3` into an integer field is 1000, `yes` into a boolean is true); the result is
+    then checked with the file's values."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value (e.g. learner.lr=1e-6)")
         dotted, text = item.split("=", 1)
         parts = dotted.strip().split(".")
-        node = data
-        for part in parts[:-1]:
+        node, cls = data, Config
+        for i, part in enumerate(parts):
+            path = ".".join(parts[:i])
+            if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+                raise ConfigError(f"override {dotted}: {path} is not a section")
+            if part not in cls.model_fields:
+                raise ConfigError(_unknown_key(path, part, list(cls.model_fields)))
+            tp = cls.model_fields[part].annotation
+            if i == len(parts) - 1:
+                break
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {dotted}: {part} is not a section")
-        node[parts[-1]] = OverrideText(text)  # read by the field's type in _coerce
+                raise ConfigError(f"override {dotted}: {'.'.join(parts[:i + 1])} is not a section in the config file")
+            cls = tp
+        try:
+            node[parts[-1]] = TypeAdapter(tp).validate_python(_override_value(text, tp))
+        except ValidationError as e:
+            raise ConfigError(_message(e.errors()[0], tuple(parts))) from None
     return data
 
 
@@ -709,72 +783,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping, got {data!r}")
     data = apply_overrides(data, overrides or [])
-    return _build(Config, data, "").validate()
-
-
-def _field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in this file (trailing, or the comment lines just above it): its description."""
-    import inspect
-    import re
-
-    comments, above = {}, []
-    for line in inspect.getsource(cls).splitlines()[1:]:
-        text = line.strip()
-        if text.startswith("#"):
-            above.append(text.lstrip("# "))
-            continue
-        m = re.match(r"(\w+):[^#]*?(?:#\s*(.*))?$", text)
-        if m and not text.startswith(("def ", "@", '"')):
-            comments[m.group(1)] = " ".join([*above, m.group(2) or ""]).strip()
-        above = []
-    return comments
-
-
-def _type_schema(tp: Any) -> dict[str, Any]:
-    origin = typing.get_origin(tp)
-    if origin is Annotated:
-        schema = _type_schema(typing.get_args(tp)[0])
-        for bound in tp.__metadata__:
-            if isinstance(bound, Range):
-                for key, name in (("ge", "minimum"), ("gt", "exclusiveMinimum"), ("le", "maximum"),
-                                  ("lt", "exclusiveMaximum")):
-                    if getattr(bound, key) is not None:
-                        schema[name] = getattr(bound, key)
-        return schema
-    if origin is Literal:
-        return {"enum": list(typing.get_args(tp))}
-    if origin in (typing.Union, types.UnionType):
-        return {"anyOf": [_type_schema(a) if a is not type(None) else {"type": "null"} for a in typing.get_args(tp)]}
-    if origin is list:
-        return {"type": "array", "items": _type_schema(typing.get_args(tp)[0])}
-    if dataclasses.is_dataclass(tp):
-        return _section_schema(tp)
-    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
-
-
-def _section_schema(cls: type) -> dict[str, Any]:
-    hints, comments, default = typing.get_type_hints(cls, include_extras=True), _field_comments(cls), cls()
-    props = {}
-    for f in dataclasses.fields(cls):
-        prop = _type_schema(hints[f.name])
-        value = getattr(default, f.name)
-        if not dataclasses.is_dataclass(value):
-            prop["default"] = value
-        if comments.get(f.name):
-            prop["description"] = comments[f.name]
-        props[f.name] = prop
-    return {"type": "object", "title": cls.__name__, "properties": props, "additionalProperties": False}
+    try:
+        cfg = Config.model_validate(data, strict=True)
+    except ValidationError as e:
+        raise ConfigError(_message(e.errors()[0])) from None
+    return cfg.validate()
 
 
 def config_schema() -> dict[str, Any]:
-    """A JSON Schema (draft 2020-12) of the config tree: types, choices, declared ranges, defaults and
-    each field's description (`asyncrl config schema`). Cross-field checks are in Config.validate."""
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **_section_schema(Config)}
+    """The config tree's JSON Schema (draft 2020-12, pydantic's): types, choices, declared ranges,
+    defaults and each field's description (`asyncrl config schema`). Cross-field checks are in
+    Config.validate."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **Config.model_json_schema()}
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    return cfg.model_dump()
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -89,15 +89,21 @@ def test_cli_rejects_misspelled_key_at_start_and_help_is_fast():
     assert r.returncode == 0 and "max_steps: 7" in r.stdout
 
 
+def _section(schema: dict, name: str) -> dict:
+    """A section of pydantic's schema: the tree's properties point into `$defs`."""
+    return schema["$defs"][schema["properties"][name]["$ref"].rsplit("/", 1)[-1]]
+
+
 def test_config_schema_describes_every_field_and_validates_the_shipped_configs(tmp_path):
-    """`asyncrl config schema`: a JSON Schema whose types, choices and declared ranges accept every
-    shipped config and refuse what load_config refuses (a range, a choice, a type, an unknown key)."""
+    """`asyncrl config schema`: pydantic's JSON Schema of the tree, whose types, choices and declared
+    ranges accept every shipped config and refuse what load_config refuses (a range, a choice, a type,
+    an unknown key)."""
     import json
 
     import jsonschema
     import yaml
 
-    from asyncrl.config import config_schema, to_dict
+    from asyncrl.config import Config, config_schema, to_dict
 
     out = tmp_path / "schema.json"
     done = subprocess.run([sys.executable, "-m", "asyncrl", "config", "schema", "--out", str(out)],
@@ -105,16 +111,23 @@ def test_config_schema_describes_every_field_and_validates_the_shipped_configs(t
     assert done.returncode == 0, done.stderr
     schema = json.loads(out.read_text())
     assert schema == json.loads(json.dumps(config_schema()))
-    lr = schema["properties"]["learner"]["properties"]["lr"]
-    assert lr["type"] == "number" and lr["exclusiveMinimum"] == 0
-    assert schema["properties"]["run"]["properties"]["mode"]["enum"] == ["async", "sync"]
-    assert "stall" in schema["properties"]["run"]["properties"]["stall_timeout_s"]["description"]
+    assert schema["$schema"].endswith("2020-12/schema")
+    assert {k: v for k, v in schema.items() if k != "$schema"} == json.loads(json.dumps(Config.model_json_schema()))
+    lr = _section(schema, "learner")["properties"]["lr"]
+    assert lr["type"] == "number" and lr["exclusiveMinimum"] == 0 and lr["default"] == 5e-4
+    ports = _section(schema, "buffer")["properties"]["ingest_port"]
+    assert (ports["minimum"], ports["maximum"]) == (0, 65535)
+    assert _section(schema, "learner")["properties"]["minibatches"]["minimum"] == 1
+    run = _section(schema, "run")["properties"]
+    assert run["mode"]["enum"] == ["async", "sync"] and run["affinity"]["enum"] == ["auto", "off"]
+    assert "stall" in run["stall_timeout_s"]["description"]
+    assert _section(schema, "learner")["additionalProperties"] is False
     validator = jsonschema.Draft202012Validator(schema)
     for path in sorted(REPO_CONFIGS.glob("*.yaml")):
         validator.validate(yaml.safe_load(path.read_text()) or {})
         validator.validate(json.loads(json.dumps(to_dict(load_config(path)))))
     for bad in ({"learner": {"lr": -1.0}}, {"run": {"mode": "sometimes"}}, {"generator": {"n": "four"}},
-                {"learner": {"lrr": 1e-6}}):
+                {"learner": {"lrr": 1e-6}}, {"buffer": {"ingest_port": 65536}}, {"run": {"affinity": "on"}}):
         assert not validator.is_valid(bad), bad
 
 
@@ -125,3 +138,106 @@ def test_config_check_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, "-m", "asyncrl", "config", "check", "run.max_steps=3"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "config ok" in done.stdout, done.stderr
+
+
+def _one_line_error(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_overrides_are_coerced_by_the_field_type():
+    """Text fields (and choices among texts) keep the text as typed; numbers and booleans take the YAML
+    reading of the text and pydantic's lax coercion by the field's type; a value that is not of the
+    type is refused in one line naming the key."""
+    cfg = load_config(None, ["data.alphabet=0123", "run.name=1e3", "deploy.slurm_time=010", "run.affinity=off",
+                             "buffer.appendfsync=no", "run.max_steps=1e3", "generator.enforce_eager=yes",
+                             "learner.lr=1", "deploy.slurm_extra=--account=rl,--qos=high"])
+    assert cfg.data.alphabet == "0123" and cfg.run.name == "1e3" and cfg.deploy.slurm_time == "010"
+    assert cfg.run.affinity == "off" and cfg.buffer.appendfsync == "no"  # YAML would read both as false
+    assert cfg.run.max_steps == 1000 and type(cfg.run.max_steps) is int
+    assert cfg.generator.enforce_eager is True and cfg.learner.lr == 1.0 and type(cfg.learner.lr) is float
+    assert cfg.deploy.slurm_extra == ["--account=rl", "--qos=high"]
+    assert _one_line_error(["learner.lr=abc"]) == "learner.lr: expected a number, got 'abc'"
+    assert _one_line_error(["generator.max_tokens=abc"]) == "generator.max_tokens: expected an integer, got 'abc'"
+    assert _one_line_error(["generator.enforce_eager=2"]) == "generator.enforce_eager: expected true/false, got 2"
+    assert _one_line_error(["run.affinity=on"]) == "run.affinity: 'on' is not one of ['auto', 'off']"
+    assert _one_line_error(["learner=3"]) == "learner: expected a mapping, got 3"
+
+
+def test_optional_override_text():
+    """`null` (YAML's null) is None for an optional field; other text is read by the inner type."""
+    from asyncrl.config import _override_value
+
+    assert _override_value("null", int | None) is None and _override_value("~", str | None) is None
+    assert _override_value("7", int | None) == 7 and _override_value("none", str | None) == "none"
+    assert _override_value("0123", str | None) == "0123"
+
+
+def test_yaml_values_are_checked_strictly(tmp_path):
+    """A YAML integer field takes an integer (not 2.0 or "2"), a boolean true/false (not 1); a number
+    in a text field is its text and a comma-separated string in a list field its items."""
+    path = tmp_path / "c.yaml"
+
+    def load(text: str):
+        path.write_text(text)
+        return load_config(path)
+
+    cfg = load("run: {name: 7}\nlearner: {lr: 1}\nlogging: {backends: 'jsonl,tensorboard'}\n")
+    assert cfg.run.name == "7" and cfg.learner.lr == 1.0 and cfg.logging.backends == ["jsonl", "tensorboard"]
+    for text, message in (("run: {max_steps: 2.0}", "run.max_steps: expected an integer, got 2.0"),
+                          ("run: {max_steps: '3'}", "run.max_steps: expected an integer, got '3'"),
+                          ("generator: {enforce_eager: 1}", "generator.enforce_eager: expected true/false, got 1"),
+                          ("run: {name: true}", "run.name: expected a string, got True"),
+                          ("learner: {minibatches: 0}", "learner.minibatches must be >= 1, got 0"),
+                          ("run: 3", "run: expected a mapping, got 3"),
+                          ("learner: {lora: {rankk: 4}}", "unknown config key 'learner.lora.rankk'; did you mean "
+                                                          "'learner.lora.rank'?"),
+                          ("genrator: {n: 4}", "unknown config key 'genrator'; did you mean 'generator'?")):
+        with pytest.raises(ConfigError) as e:
+            load(text)
+        assert str(e.value) == message, text
+
+
+@pytest.mark.parametrize("key, inside, outside, message", [
+    ("learner.minibatches", "1", "0", "learner.minibatches must be >= 1, got 0"),
+    ("run.stall_timeout_s", "0", "-0.5", "run.stall_timeout_s must be >= 0, got -0.5"),
+    ("learner.lr", "1e-9", "0", "learner.lr must be > 0, got 0.0"),
+    ("generator.gpu_memory_utilization", "1", "1.01", "generator.gpu_memory_utilization must be > 0 and <= 1, got 1.01"),
+    ("generator.gpu_memory_utilization", "0.01", "0", "generator.gpu_memory_utilization must be > 0 and <= 1, got 0.0"),
+    ("buffer.ingest_port", "65535", "65536", "buffer.ingest_port must be >= 0 and <= 65535, got 65536"),
+    ("learner.lora.dropout", "0", "1", "learner.lora.dropout must be >= 0 and < 1, got 1.0"),
+    ("learner.min_lr_ratio", "1", "1.5", "learner.min_lr_ratio must be >= 0 and <= 1, got 1.5"),
+    ("algorithm.is_cap", "1", "0.5", "algorithm.is_cap must be >= 1, got 0.5"),
+])
+def test_declared_ranges_at_and_beyond_their_bounds(key, inside, outside, message):
+    value = load_config(None, [f"{key}={inside}"])
+    for part in key.split("."):
+        value = getattr(value, part)
+    assert value == float(inside)
+    assert _one_line_error([f"{key}={outside}"]) == message
+
+
+def test_assignments_are_validated_and_configs_round_trip(tmp_path):
+    """Call sites set fields (the launcher's redis_url); a wrong value is refused there too. The YAML
+    snapshot of a resolved config (launch, Slurm, Ray) loads back to an equal config; copies and
+    pickles are equal."""
+    import copy
+    import pickle
+
+    from pydantic import ValidationError
+
+    from asyncrl.config import dump_yaml
+
+    cfg = load_config(None, ["data.alphabet=0123", "logging.backends=jsonl,tensorboard", "run.affinity=off"])
+    cfg.buffer.redis_url = "redis://127.0.0.1:6379"
+    with pytest.raises(ValidationError):
+        cfg.learner.minibatches = 0
+    with pytest.raises(ValidationError):
+        cfg.learner.lrr = 1.0
+    path = tmp_path / "snapshot.yaml"
+    path.write_text(dump_yaml(cfg))
+    assert load_config(path) == cfg and "alphabet: '0123'" in path.read_text()
+    assert copy.deepcopy(cfg) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg
+    assert load_config(None, []) != cfg
