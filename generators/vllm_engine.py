@@ -63,18 +63,28 @@ def kill_children(keep: set[int] = frozenset()) -> list[int]:
     return [p.pid for p in killed]
 
 
+def import_vllm(cfg: Config) -> bool:
+    """Sets the environment vLLM reads at import, then imports it (seconds on CPU); True on CPU.
+    Idempotent: `asyncrl generator` calls it before waiting for the tiny model, the engine again."""
+    import torch
+
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        cpu_env_defaults(cfg)
+    else:
+        # The check above initialised CUDA's driver in this process, so an engine core forked from
+        # it fails ("Cannot re-initialize CUDA in forked subprocess", seen on the H200 box under
+        # `asyncrl run` with vLLM 0.25.1): start it with spawn.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    import vllm  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+    return on_cpu
+
+
 class VllmEngine:
     def __init__(self, cfg: Config, model_path: str):
-        import torch
-
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            cpu_env_defaults(cfg)
-        else:
-            # The check above initialised CUDA's driver in this process, so an engine core forked from
-            # it fails ("Cannot re-initialize CUDA in forked subprocess", seen on the H200 box under
-            # `asyncrl run` with vLLM 0.25.1): start it with spawn.
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        on_cpu = import_vllm(cfg)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -708,6 +708,7 @@ class Learner:
                                                      "tokens_per_s": row["learner_tokens_per_s"]})
         print(f"step={self.step:4d} version={self.version:4d} reward={row['reward_mean']:.3f} "
               f"lag={row['lag_mean']:.2f}/{row['lag_max']} dropped_stale={self.dropped_stale} "
+              f"dropped_frac={row['dropped_frac']:.3f} "
               f"gen_tok/s={gen_tps:8.1f} learn_tok/s={row['learner_tokens_per_s']:8.1f} "
               f"sync_s={sync_s:.3f} depth={depth} loss={stats['loss']:+.4f}", flush=True)
 

@@ -39,6 +39,19 @@ def test_default_run_learns_within_the_staleness_bound(tmp_path):
     assert max(row["lag_max"] for row in rows) <= 1
     assert all(int(k) <= 1 for row in rows for k in row["lag_hist"])
     assert rows[-1]["version"] == steps
+    # No generation wasted: the admission rule releases a prompt only once the weights it will start
+    # on are within the staleness bound of the step that trains it.
+    assert rows[-1]["dropped_frac"] < 0.02, [row["dropped_stale"] for row in rows]
+    assert "dropped_frac=" in next(line for line in r.stdout.splitlines() if line.startswith("step="))
+    # run.affinity=auto on a machine of 2-4 CPUs pins the roles apart, and says so.
+    allowed = len(os.sched_getaffinity(0))
+    pinned = next(line for line in r.stdout.splitlines() if line.startswith("affinity: "))
+    if 2 <= allowed <= 4:
+        assert f"(auto on {allowed} CPUs; run.affinity=off to disable)" in pinned, pinned
+        import yaml
+
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert all(cfg[role]["cpus"] for role in ("generator", "learner", "buffer")), "in the config the roles read"
 
 
 @pytest.mark.slow

@@ -18,6 +18,12 @@ more threads than it has cores (they would time-slice one core):
 - learner: `OMP_NUM_THREADS` = its CPUs / `learner.nproc`, which torch reads as its thread count
   and torchrun passes to every rank;
 - buffer: no threaded math; only the mask.
+
+`run.affinity=auto` (the default): when no role's `cpus` is set and this process may use at most
+`AUTO_MAX_CPUS` CPUs, `asyncrl run` assigns the roles disjoint CPUs itself (`auto_assignment`) and
+writes them into the run's config.yaml, so every child (and a generator added by `asyncrl scale`)
+pins itself as if the user had set them. On a bigger machine, or with `run.affinity=off`, nothing is
+pinned unless a role's `cpus` says so.
 """
 
 from __future__ import annotations
@@ -71,6 +77,59 @@ def format_cpus(cpus) -> str:
 def cpus_of(cfg: Config, role: str) -> tuple[int, ...]:
     assert role in ROLES, role
     return parse_cpus(getattr(cfg, role).cpus)
+
+
+AUTO_MAX_CPUS = 4  # run.affinity=auto pins the roles apart on machines of at most this many CPUs
+
+
+def auto_split(allowed) -> dict[str, tuple[int, ...]] | None:
+    """The roles' CPUs for `run.affinity=auto` on a machine whose usable CPUs are `allowed` (None: pin nothing).
+
+    Unpinned on a small machine, vLLM's OpenMP threads and the learner's torch threads time-slice the
+    same cores and both run several times slower. So each gets a core of its own:
+    - 2 CPUs: generator 0, learner 1; the buffer (and the local redis-server) share the generator's
+      CPU (they mostly wait on sockets);
+    - 3 CPUs: generator 0, learner 1, buffer 2: the buffer and Redis, on the path of every batch the
+      learner reads and every version it publishes, no longer wait behind a busy core;
+    - 4 CPUs: generator 0-1, learner 2, buffer 3: the second spare core goes to vLLM, whose forward
+      passes (n samples a prompt, token by token) are what RL post-training mostly waits for; the
+      learner's step on one core is already short next to it;
+    - 1 CPU: nothing to separate; more than AUTO_MAX_CPUS: the OS scheduler has room, nothing pinned.
+    (CPU numbers are positions in `allowed`, not necessarily 0..n-1.)"""
+    cpus = tuple(sorted(allowed))
+    n = len(cpus)
+    if n < 2 or n > AUTO_MAX_CPUS:
+        return None
+    if n == 2:
+        return {"generator": cpus[:1], "learner": cpus[1:], "buffer": cpus[:1]}
+    if n == 3:
+        return {"generator": cpus[:1], "learner": cpus[1:2], "buffer": cpus[2:]}
+    return {"generator": cpus[:2], "learner": cpus[2:3], "buffer": cpus[3:]}
+
+
+def auto_assignment(cfg: Config, allowed=None) -> tuple[dict[str, tuple[int, ...]] | None, str]:
+    """What `asyncrl run` pins (None: leave `{role}.cpus` as they are) and the one line it prints.
+
+    Explicit `{role}.cpus` win: if any is set, nothing is chosen for the others. `allowed` defaults to
+    this process's CPUs (`os.sched_getaffinity(0)`)."""
+    allowed = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    explicit = {role: cpus_of(cfg, role) for role in ROLES}
+    if any(explicit.values()):
+        return None, "affinity: " + ", ".join(
+            f"{role} {format_cpus(c) if c else 'any'}" for role, c in explicit.items()) + " (from generator/learner/buffer.cpus)"
+    if cfg.run.affinity == "off":
+        return None, "affinity: none (run.affinity=off)"
+    split = auto_split(allowed)
+    if split is None:
+        why = "1 CPU" if len(allowed) < 2 else f"{len(allowed)} CPUs > {AUTO_MAX_CPUS}"
+        return None, f"affinity: none (auto: {why}, the OS schedules the roles)"
+    tp, nproc = cfg.generator.tensor_parallel_size, cfg.learner.nproc
+    if len(split["generator"]) % tp or len(split["learner"]) < nproc:
+        return None, (f"affinity: none (auto on {len(allowed)} CPUs: {len(split['generator'])} generator CPU(s) "
+                      f"for tensor_parallel_size={tp}, {len(split['learner'])} learner CPU(s) for "
+                      f"learner.nproc={nproc} do not fit; set {{role}}.cpus to pin)")
+    return split, "affinity: " + ", ".join(f"{role} {format_cpus(split[role])}" for role in ROLES) + (
+        f" (auto on {len(allowed)} CPUs; run.affinity=off to disable)")
 
 
 def config_errors(cfg: Config) -> list[str]:

@@ -97,6 +97,10 @@ def cmd_generator(args) -> int:
     from asyncrl.launch.launcher import ensure_model
     from generators.main import main
 
+    if cfg.generator.backend == "vllm" and not cfg.model.path:
+        from generators.vllm_engine import import_vllm
+
+        import_vllm(cfg)  # its seconds of imports overlap the tiny model's write (by the learner, under asyncrl run)
     ensure_model(cfg)
     main(cfg, args.id)
     return 0

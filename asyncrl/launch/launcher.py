@@ -1,10 +1,16 @@
 """`asyncrl run`: Redis, buffer, generators and learner on one machine, supervised.
 
 Each child runs in its own process session so that teardown can signal its whole tree (vLLM's engine
-core, torchrun's ranks), pinned to its role's CPUs when `{generator,learner,buffer}.cpus` say so
-(asyncrl/launch/affinity.py: set before exec, inherited by the whole tree). Ctrl-C, SIGTERM or the first
-child failure tears everything down: SIGTERM, a grace period, then SIGKILL for whatever is left.
-Nothing outlives the launcher.
+core, torchrun's ranks), pinned to its role's CPUs when `{generator,learner,buffer}.cpus` say so, or
+to CPUs the launcher picks on a small machine (`run.affinity=auto`; asyncrl/launch/affinity.py: set
+before exec, inherited by the whole tree). Ctrl-C, SIGTERM or the first child failure tears everything
+down: SIGTERM, a grace period, then SIGKILL for whatever is left. Nothing outlives the launcher.
+
+Start-up: nothing waits for another role's readiness. The generators and the learner are spawned at
+once; when the tiny model has to be written, the first of them to reach `ensure_model` writes it
+(the learner, whose imports take less time than vLLM's) while the generator imports vLLM, and the other
+waits on the lock. The buffer reads the model's vocabulary size at start, so it is spawned as soon
+as the model is there (at once with `model.path` set).
 """
 
 from __future__ import annotations
@@ -42,6 +48,23 @@ def ensure_model(cfg: Config) -> str:
             write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny_warm_start_steps,
                              warm_start_lr=cfg.model.tiny_warm_start_lr, **cfg.tiny_shape())
     return str(path)
+
+
+def model_ready(cfg: Config) -> bool:
+    """Whether `ensure_model` would return at once: a `model.path` is set, or the tiny model is written
+    and nobody holds its lock (no write under way)."""
+    if cfg.model.path:
+        return True
+    path = Path(cfg.model_path)
+    if not (path / "model.safetensors").exists():
+        return False
+    with open(path.parent / ".tiny-model.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return True
 
 
 def local_weights_backend(cfg: Config) -> str:
@@ -98,9 +121,17 @@ class Launcher:
         finally:
             self.teardown()
 
+    def _pin_roles(self) -> None:
+        """run.affinity=auto on a small machine: the roles' CPUs, written into the config the children read."""
+        split, line = affinity.auto_assignment(self.cfg)
+        for role, cpus in (split or {}).items():
+            getattr(self.cfg, role).cpus = affinity.format_cpus(cpus)
+        print(line, flush=True)
+
     def _run(self) -> int:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._pin_roles()  # before the local redis-server, which follows buffer.cpus
         if not cfg.buffer.redis_url:
             from asyncrl.protocol.security import redis_password
 
@@ -129,12 +160,15 @@ class Launcher:
                 # A fresh run must not resume an earlier run's checkpoints; keep them aside.
                 cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
         client.delete(keys.stop)
-        ensure_model(cfg)
         cfg.weights.backend = local_weights_backend(cfg)
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(cfg))
         py = [sys.executable, "-m", "asyncrl"]
-        self._spawn("buffer", [*py, "buffer", str(cfg_path)], role="buffer")
+        # No role waits for another here (see the module docstring): each role's entry point writes the
+        # tiny model if it is missing (ensure_model, under a lock) or waits for the one writing it.
+        buffer_argv = [*py, "buffer", str(cfg_path)]
+        if model_ready(cfg):
+            self._spawn("buffer", buffer_argv, role="buffer")
         for i in range(cfg.generator.num_generators):
             self._spawn(f"generator-g{i}", [*py, "generator", str(cfg_path), "--id", f"g{i}"], role="generator")
         self._spawn("learner", learner_command(cfg, str(cfg_path), []), log_to_file=False, role="learner")
@@ -154,6 +188,8 @@ class Launcher:
                 log.error("run.on_stall=fail: stopping the stalled run")
                 return 3
             scaler.poll()
+            if "buffer" not in self.children and model_ready(cfg):
+                self._spawn("buffer", buffer_argv, role="buffer")
             learner = self.children["learner"]
             code = learner.poll()
             if code is not None:
