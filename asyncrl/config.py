@@ -416,10 +416,9 @@ class WeightsConfig(Section):
     port: Annotated[int, Port] = 0
     """0: a free port for the weight group's TCPStore"""
     backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
-    """auto: nccl when the learner is on CUDA, else gloo; `asyncrl run` (one host, every role on GPU 0)
-    makes it gloo: one GPU shared by the learner and vLLM cannot hold two NCCL ranks, so the buckets
-    go through host memory instead. ipc: CUDA IPC handles of the learner's bucket buffer for
-    generators on the learner's node (one GPU shared by both included): no copy through the host."""
+    """auto: gloo without CUDA; on CUDA ipc when every generator runs on the learner's node, nccl
+    otherwise. ipc: CUDA IPC handles of the learner's bucket buffer for generators on its node (one
+    GPU shared by both included): no copy through the host. gloo on CUDA goes through host memory."""
     checksum: Literal["auto", "full", "sampled"] = "auto"
     """Per-bucket checksums both ends compare after every sync. full: every byte; sampled: one word per
     4 KiB of each one-tensor bucket of 1 MiB or more, the rest in full (catches lost, stale, shifted

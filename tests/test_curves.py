@@ -77,10 +77,10 @@ def test_curve_report_times_each_accuracy_from_the_launch(tmp_path):
     assert bench.curve(tmp_path / "b")["time_to_pass@1_s"]["0.3"] is None  # never reached: no time
 
 
-@pytest.mark.parametrize("setting, expected", [("auto", "gloo"), ("nccl", "nccl"), ("gloo", "gloo")])
-def test_one_host_run_sends_weights_over_gloo_unless_told(setting, expected):
-    # On one host every role opens GPU 0: NCCL refuses two ranks on one device.
-    assert local_weights_backend(load_config(None, [f"weights.backend={setting}"])) == expected
+@pytest.mark.parametrize("setting", ["auto", "nccl", "gloo", "ipc"])
+def test_one_host_run_keeps_the_weights_backend(setting):
+    # auto stays auto: the learner picks gloo on CPU and ipc on CUDA for members on its node.
+    assert local_weights_backend(load_config(None, [f"weights.backend={setting}"])) == setting
 
 
 @pytest.mark.parametrize("start_version, rounds", [(0, [0]), (7, [])])

@@ -68,16 +68,13 @@ def model_ready(cfg: Config) -> bool:
 
 
 def local_weights_backend(cfg: Config) -> str:
-    """`weights.backend=auto` for the roles this launcher starts on one host: gloo.
-
-    Every local role sees the same GPUs and opens device 0, so the learner's rank 0 and a vLLM worker
-    share one GPU, where NCCL cannot hold both ranks ("Duplicate GPU detected"); the buckets then go
-    through host memory. An explicit `nccl` or `gloo` is kept."""
-    if cfg.weights.backend != "auto":
-        return cfg.weights.backend
-    log.info("weights.backend=auto -> gloo for a one-host run (on CUDA its roles share GPU 0, where NCCL cannot "
-             "hold two ranks)")
-    return "gloo"
+    """`weights.backend` for the roles this launcher starts on one host: kept as set. `auto` is gloo
+    on CPU and, on CUDA, ipc: every local role opens GPU 0, where NCCL cannot hold the learner's rank
+    and a vLLM worker ("Duplicate GPU detected"), while CUDA IPC handles share the learner's buckets
+    in GPU memory (the learner picks it per epoch from the members' node ids, `choose_backend`)."""
+    if cfg.weights.backend == "auto":
+        log.info("weights.backend=auto: gloo on CPU, ipc on CUDA (the roles share the host's GPU memory)")
+    return cfg.weights.backend
 
 
 def learner_command(cfg: Config, config_path: str | None, overrides: list[str]) -> list[str]:
