@@ -364,7 +364,7 @@ class WeightSender:
                                 address=self.host)
             self.members = members
             on_event("epoch_open", epoch=self.epoch, members=",".join(members))
-            log.info("weight group epoch=%d backend=%s members=%s", self.epoch, self.backend, members)
+            log.info("weight group epoch=%d members=%s backend=%s", self.epoch, members, self.backend)
             return members
 
     def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor],
