@@ -91,8 +91,8 @@ def test_auto_affinity_splits_small_machines_and_leaves_the_rest():
     assert auto_split([0, 1, 2]) == {"generator": (0,), "learner": (1,), "buffer": (2,)}
     assert auto_split([0, 1, 2, 3]) == {"generator": (0, 1), "learner": (2,), "buffer": (3,)}
     assert auto_split([5, 3]) == {"generator": (3,), "learner": (5,), "buffer": (3,)}  # the CPUs allowed, not 0..n-1
-    cfg = load_config(None, [])
-    assert cfg.run.affinity == "auto"
+    assert load_config(None, []).run.affinity == "off"
+    cfg = load_config(None, ["run.affinity=auto"])
     split, line = auto_assignment(cfg, allowed={0, 1})
     assert split == auto_split([0, 1])
     assert line == "affinity: generator 0, learner 1, buffer 0 (auto on 2 CPUs; run.affinity=off to disable)"
@@ -101,19 +101,19 @@ def test_auto_affinity_splits_small_machines_and_leaves_the_rest():
     split, line = auto_assignment(cfg, allowed=range(8))
     assert split is None and "8 CPUs > 4" in line
     # A split the config cannot take (two learner ranks on one CPU) pins nothing rather than failing the run.
-    split, line = auto_assignment(load_config(None, ["learner.nproc=2"]), allowed={0, 1})
+    split, line = auto_assignment(load_config(None, ["run.affinity=auto", "learner.nproc=2"]), allowed={0, 1})
     assert split is None and "learner.nproc=2" in line
 
 
 def test_explicit_cpus_win_and_off_pins_nothing(tmp_path, monkeypatch, capsys):
-    split, line = auto_assignment(load_config(None, ["learner.cpus=1"]), allowed={0, 1})
+    split, line = auto_assignment(load_config(None, ["run.affinity=auto", "learner.cpus=1"]), allowed={0, 1})
     assert split is None and line == "affinity: generator any, learner 1, buffer any (from generator/learner/buffer.cpus)"
     split, line = auto_assignment(load_config(None, ["run.affinity=off"]), allowed={0, 1})
     assert split is None and line == "affinity: none (run.affinity=off)"
     # The launcher writes its choice into the config its children read, and prints it.
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    for overrides, want in (([], ("0", "1", "0")), (["run.affinity=off"], ("", "", "")),
-                            (["generator.cpus=1"], ("1", "", ""))):
+    for overrides, want in ((["run.affinity=auto"], ("0", "1", "0")), ([], ("", "", "")),
+                            (["run.affinity=auto", "generator.cpus=1"], ("1", "", ""))):
         launcher = Launcher(load_config(None, [f"run.dir={tmp_path}", *overrides]))
         launcher._pin_roles()
         assert tuple(getattr(launcher.cfg, role).cpus for role in ("generator", "learner", "buffer")) == want

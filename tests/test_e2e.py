@@ -26,7 +26,7 @@ def test_default_run_learns_within_the_staleness_bound(tmp_path):
     # written by the run itself; only the length is shortened.
     run_dir = tmp_path / "runs" / "tiny"
     steps = 24
-    r = subprocess.run([sys.executable, "-m", "asyncrl", "run", f"run.max_steps={steps}"],
+    r = subprocess.run([sys.executable, "-m", "asyncrl", "run", f"run.max_steps={steps}", "run.affinity=auto"],
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = _metrics(run_dir)
