@@ -214,10 +214,6 @@ class FleetTokenRate:
         self.window = WindowRate(start, window_s)
         self.counters: dict[str, float] = {}  # the last counter seen per generator (gone ones kept)
 
-    @property
-    def total(self) -> float:
-        return self.window.total
-
     def update(self, counters: dict[str, float], now: float) -> float:
         """Tokens per second over the window ending at `now` (monotonic seconds)."""
         new = 0.0
