@@ -178,6 +178,14 @@ class GeneratorConfig(Section):
     tensor_parallel_size: Annotated[int, AtLeastOne] = 1
     kv_cache_gb: Annotated[float, Positive] = 1.0
     """CPU build only: VLLM_CPU_KVCACHE_SPACE"""
+    sleep: Literal["auto", "on", "off"] = "auto"
+    """run.mode=sync on CUDA: put the vLLM engine to sleep (`sleep_level`) while the learner steps,
+    so that the learner may use the engine's memory; it wakes for the next weights. auto: on once a
+    weight push shows the learner on this engine's GPU (weights.backend=ipc from the same device);
+    on: whenever the engine idles in sync mode; off: never. Ignored in async mode and on CPU."""
+    sleep_level: Literal[1, 2] = 1
+    """1: weights offloaded to host memory and the KV cache freed; 2: both freed (the next push
+    overwrites every weight; vLLM keeps the model's buffers)"""
     cpu_threads: Annotated[int, AtLeastOne] = 1
     """CPU build only: OMP threads per engine"""
     cpus: str = ""

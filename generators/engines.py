@@ -31,6 +31,7 @@ class WeightUpdateStats(TypedDict, total=False):
     load_s: float
     stage_s: float  # vLLM staged receive: the transfer before the pause
     checksums: list[int]  # one per bucket, compared by the learner with what it sent
+    wake_s: float  # vLLM sleep mode: waking the engine before the load
 
 
 @runtime_checkable
@@ -50,6 +51,10 @@ class Engine(Protocol):
     async def update_weights(self, announcement_frame: bytes, mode: str, timeout_s: float) -> WeightUpdateStats:
         """Receives the announced version (a schema.WeightAnnouncement frame) and loads it; `mode`
         (weights.mode) says what in-flight sequences do: keep, abort or drain."""
+        ...
+
+    async def idle(self) -> None:
+        """run.mode=sync: the generator has nothing to do until the next weights (generator.sleep)."""
         ...
 
     def shutdown(self) -> None:

@@ -173,5 +173,8 @@ class HfEngine:
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": result["seconds"],
                 "checksums": result["checksums"]}
 
+    async def idle(self) -> None:
+        """Nothing to release: the HF backend holds no cache between groups."""
+
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -204,13 +204,14 @@ class Generator:
         self.last_pause_s, self.num_syncs = stats["pause_s"], self.num_syncs + 1
         await self.redis.xadd(self.keys.events, {"kind": "generator_sync", "id": self.id, "version": ann.version,
                                                  "mode": w.mode, "pause_s": f"{stats['pause_s']:.4f}",
+                                                 "wake_s": f"{stats.get('wake_s', 0.0):.4f}",
                                                  "t": f"{time.time():.3f}"}, maxlen=10_000, approximate=True)
         self.state = prev if prev in ("draining", "generating") else "generating"
         await self.heartbeat()
         await notify.publish(self.redis, self.keys, "fleet")  # the buffer's admission counts from it
-        log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs; transfer before it %.3fs)",
-                 self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0), stats.get("load_s", stats.get("receive_s", 0.0)),
-                 stats.get("stage_s", 0.0))
+        log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs; transfer before it %.3fs;"
+                 " wake %.3fs)", self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0),
+                 stats.get("load_s", stats.get("receive_s", 0.0)), stats.get("stage_s", 0.0), stats.get("wake_s", 0.0))
         return ident
 
     # ---- generation ----------------------------------------------------------------------------
@@ -304,6 +305,8 @@ class Generator:
                                                 block=None if lockstep else 200)
             if not reply:
                 if lockstep:
+                    if not self.inflight and not len(self.outbox):
+                        await self.engine.idle()  # this batch is done here: the learner steps next
                     await self.notes.wait(("prompts", "version", "held"), seen, PROMPTS_FALLBACK_S)
                 if not self.inflight:
                     self.idle_s += time.monotonic() - t0
@@ -329,6 +332,8 @@ class Generator:
             return True
         t0 = time.monotonic()
         self.state = "waiting_weights"
+        if not self.inflight and not len(self.outbox):
+            await self.engine.idle()
         await self.notes.wait(("version", "held"), seen, VERSION_FALLBACK_S)
         if not self.inflight:
             self.idle_s += time.monotonic() - t0

@@ -82,6 +82,12 @@ def import_vllm(cfg: Config) -> bool:
     return on_cpu
 
 
+def sleep_enabled(cfg: Config, on_cpu: bool) -> bool:
+    """Whether the engine is built for vLLM's sleep mode (generator.sleep): sync mode on CUDA only. In
+    async mode the engine never idles for a learner step; the CPU build has no sleep mode."""
+    return cfg.run.mode == "sync" and cfg.generator.sleep != "off" and not on_cpu
+
+
 class VllmEngine:
     def __init__(self, cfg: Config, model_path: str):
         on_cpu = import_vllm(cfg)
@@ -105,6 +111,9 @@ class VllmEngine:
         )
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * 2**30)
+        self._init_sleep(cfg, on_cpu)
+        if self.sleep_mode:  # vLLM's sleep mode needs its memory pool from the start
+            kwargs["enable_sleep_mode"] = True
         t0 = time.perf_counter()
         self._children_before = child_pids()  # what shutdown must not kill: not the engine's
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -116,6 +125,50 @@ class VllmEngine:
         self.num_resubmitted = 0  # weights.mode=abort: partial sequences continued after an update
         self._resumed = asyncio.Event()  # cleared during an abort-mode update
         self._resumed.set()
+
+    def _init_sleep(self, cfg: Config, on_cpu: bool) -> None:
+        """generator.sleep's state: whether the engine may sleep at all (sync mode, CUDA), and its state."""
+        self.sleep_mode = sleep_enabled(cfg, on_cpu)
+        self.asleep = False
+        self.shares_gpu = False  # the last push came over ipc from a learner on this engine's GPU
+        self.num_sleeps, self.sleep_s_total, self.wake_s_total = 0, 0.0, 0.0
+        self._active = 0  # generate_group calls running
+        self._sleep_lock = asyncio.Lock()
+
+    async def idle(self) -> None:
+        """run.mode=sync, nothing leased or in flight: sleeps the engine (generator.sleep_level) so that
+        a learner on this GPU may use its memory while it steps. generator.sleep=auto sleeps only once a
+        push has come over ipc from this GPU. The next group or weight update wakes it (`_awake`)."""
+        if not self.sleep_mode or self.asleep or self._active:
+            return
+        if self.cfg.generator.sleep == "auto" and not self.shares_gpu:
+            return
+        async with self._sleep_lock:
+            if self.asleep or self._active:
+                return
+            t0 = time.perf_counter()
+            await self.engine.sleep(level=self.cfg.generator.sleep_level)
+            self.asleep = True
+            self.num_sleeps += 1
+            self.sleep_s_total += time.perf_counter() - t0
+            if self.num_sleeps == 1:
+                log.info("engine asleep between batches (generator.sleep=%s, level %d): %.3fs to sleep",
+                         self.cfg.generator.sleep, self.cfg.generator.sleep_level, time.perf_counter() - t0)
+
+    async def _awake(self) -> float:
+        """Wakes a sleeping engine (weights and KV cache); the seconds it took, 0.0 when awake. Takes
+        the lock even when awake: an `idle` that is putting the engine to sleep must finish first."""
+        if not self.sleep_mode:
+            return 0.0
+        async with self._sleep_lock:
+            if not self.asleep:
+                return 0.0
+            t0 = time.perf_counter()
+            await self.engine.wake_up()
+            self.asleep = False
+            took = time.perf_counter() - t0
+            self.wake_s_total += took
+            return took
 
     def sampling_params(self, n: int, temperature: float | None = None, max_tokens: int | None = None):
         from vllm import SamplingParams
@@ -175,11 +228,17 @@ class VllmEngine:
                              temperature: float | None = None) -> list[SampleOut]:
         """Samples `n` completions; each token is stamped with the policy version it was sampled under."""
         samples = [SampleOut() for _ in range(n)]
-        await self._stream(prompt_ids, self.sampling_params(n, temperature), version, samples)
-        max_tokens = self.cfg.generator.max_tokens
-        while todo := [s for s in samples if s.finish_reason == "abort"]:
-            await self._resumed.wait()  # resubmitting during the update would only be aborted again
-            await asyncio.gather(*(self._resubmit(prompt_ids, s, version, temperature, max_tokens) for s in todo))
+        self._active += 1
+        try:
+            await self._awake()
+            await self._stream(prompt_ids, self.sampling_params(n, temperature), version, samples)
+            max_tokens = self.cfg.generator.max_tokens
+            while todo := [s for s in samples if s.finish_reason == "abort"]:
+                await self._resumed.wait()  # resubmitting during the update would only be aborted again
+                await asyncio.gather(*(self._resubmit(prompt_ids, s, version, temperature, max_tokens)
+                                       for s in todo))
+        finally:
+            self._active -= 1
         return samples
 
     async def join(self, epoch_frame: bytes, generator_id: str, timeout_s: float) -> bool:
@@ -247,7 +306,8 @@ class VllmEngine:
 
         keep: in-flight sequences are frozen and continue afterwards under the new weights (their KV
         cache from the old ones); abort: they are aborted and `generate_group` resubmits each with its
-        tokens so far (re-prefilled under the new weights); drain: they finish first (vLLM's "wait").
+        tokens so far (re-prefilled under the new weights); drain: they finish first (vLLM's "wait"). A sleeping engine (generator.sleep) is woken first
+        (wake_s, outside pause_s: nothing was generating).
         """
         from asyncrl.protocol import schema
 
@@ -256,6 +316,7 @@ class VllmEngine:
         t_stage = time.perf_counter()
         if staged:
             await self._stage(announcement_frame, timeout_s)
+        wake_s = await self._awake()  # the load writes into the engine's weights: they must be resident
         t0 = time.perf_counter()
         if mode == "abort":
             self._resumed.clear()
@@ -272,13 +333,14 @@ class VllmEngine:
             if errors:  # nothing was loaded: the engine keeps its previous weights and version
                 raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
             self.loaded_version = version
+            self.shares_gpu = self.weights_backend == "ipc" and all(r.get("same_gpu") for r in results)
         finally:
             await self.engine.resume_generation()
             self._resumed.set()
         t1 = time.perf_counter()
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": max(r["seconds"] for r in results),
                 "load_s": max(r.get("load_s", r["seconds"]) for r in results), "stage_s": t0 - t_stage,
-                "checksums": results[0]["checksums"]}
+                "checksums": results[0]["checksums"], "wake_s": wake_s}
 
     def shutdown(self) -> None:
         """Stops the engine and its processes; never raises. vLLM's teardown races its own engine

@@ -152,4 +152,5 @@ class AsyncRLWorkerExtension:
             receiver.finish(ann, error=f"{type(e).__name__}: {e}")
             return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
         receiver.finish(ann)
-        return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0}
+        return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0,
+                "same_gpu": receiver.shares_device}

@@ -85,6 +85,9 @@ class Learner:
 
         self.cfg = cfg
         self.cuda = torch.cuda.is_available()
+        # generator.sleep: a sync-mode engine on this GPU wakes into the memory this step used; hand back
+        # what the caching allocator keeps after each step, or its KV cache may not fit again.
+        self.release_cache = self.cuda and cfg.run.mode == "sync" and cfg.generator.sleep != "off"
         backend = "nccl" if self.cuda else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timedelta(hours=2))
@@ -403,6 +406,8 @@ class Learner:
                 continue
             groups = [schema.decode(f, schema.TrajectoryGroup) for f in msgspec.msgpack.decode(payload)]
             stats = self.train_step(groups)  # every rank holds the step; the plan splits it
+            if self.release_cache:
+                torch.cuda.empty_cache()
             if self.step % 10 == 0:
                 self.verify_reference_frozen()
             self.version += 1

@@ -9,7 +9,7 @@ from generators.engines import Engine
 from generators.hf_engine import HfEngine
 from generators.vllm_engine import VllmEngine
 
-METHODS = ("generate_group", "join", "update_weights", "shutdown")
+METHODS = ("generate_group", "join", "update_weights", "idle", "shutdown")
 
 
 @pytest.mark.parametrize("impl", [VllmEngine, HfEngine], ids=lambda c: c.__name__)

@@ -216,6 +216,9 @@ class _ScriptedEngine:
     async def update_weights(self, announcement_frame, mode, timeout_s):
         return {"checksums": [], "pause_s": 0.0}
 
+    async def idle(self):
+        pass
+
     def shutdown(self):
         pass
 

@@ -46,7 +46,8 @@ def ensure_model(cfg: Config) -> str:
 
             log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny_warm_start_steps)
             write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny_warm_start_steps,
-                             warm_start_lr=cfg.model.tiny_warm_start_lr, **cfg.tiny_shape())
+                             warm_start_lr=cfg.model.tiny_warm_start_lr,
+                             copy_len=(cfg.data.min_len, cfg.data.max_len), **cfg.tiny_shape())
     return str(path)
 
 

@@ -502,6 +502,7 @@ class WeightReceiver:
         # else refers to its storage. Bounded: between syncs at most this many buffers stay alive.
         self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=PIPELINE_DEPTH + 2)
         self._ipc: tuple[tuple, torch.Tensor] | None = None  # the learner's flat buffer, opened once per handle
+        self.shares_device = False  # ipc: the learner's buffer is on this process's current GPU
         self.checksums: list[int] = []
 
     def join(self, info: GroupEpoch, timeout_s: float) -> bool:
@@ -598,6 +599,7 @@ class WeightReceiver:
             self._ipc = None
             self._ipc = (ident, ipc_open(export))
         flat = self._ipc[1]
+        self.shares_device = flat.device.index == torch.cuda.current_device()
         bufs = [flat[offsets[i]: offsets[i] + b.nbytes] for i, b in enumerate(ann.buckets)]
         self.checksums = device_checksums(bufs, ann.buckets, ann.checksum)
         for buf, bucket in zip(bufs, ann.buckets, strict=True):

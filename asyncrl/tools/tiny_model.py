@@ -59,18 +59,19 @@ def tiny_config(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, nu
 
 
 def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, batch_size: int = 32,
-               device: str = "cpu") -> float:
+               device: str = "cpu", copy_len: tuple[int, int] = (2, 4)) -> float:
     """A short supervised warm start on the copy task; returns the last loss.
 
     Kept deliberately short: it teaches the output format so that RL has a non-zero reward to climb,
     not the task itself. `device="cuda"` for the larger shapes of the GPU benchmark (fp32 either way).
+    `copy_len`: the (min, max) letters of the rows, as `data.min_len` / `data.max_len` set them.
     """
     import torch
 
     from asyncrl.tasks.synthetic import copy_dataset
 
     model.to(device)
-    rows = copy_dataset(num_steps * batch_size, seed=seed + 7919)
+    rows = copy_dataset(num_steps * batch_size, seed=seed + 7919, min_len=copy_len[0], max_len=copy_len[1])
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     loss_value = float("nan")
@@ -97,7 +98,7 @@ def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, ba
 
 
 def write_tiny_model(out: str | Path, seed: int = 0, warm_start_steps: int = 0, device: str = "cpu",
-                     warm_start_lr: float = 3e-3, **shape) -> Path:
+                     warm_start_lr: float = 3e-3, copy_len: tuple[int, int] = (2, 4), **shape) -> Path:
     """Writes model + tokenizer to `out` and returns the path (`shape`: tiny_config's keywords)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -109,7 +110,7 @@ def write_tiny_model(out: str | Path, seed: int = 0, warm_start_steps: int = 0, 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(vocab_size, **shape), dtype=torch.float32)
     if warm_start_steps > 0:
-        loss = warm_start(model, tokenizer, warm_start_steps, seed, lr=warm_start_lr, device=device)
+        loss = warm_start(model, tokenizer, warm_start_steps, seed, lr=warm_start_lr, device=device, copy_len=copy_len)
         log.info("warm start steps=%d loss=%.4f", warm_start_steps, loss)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
