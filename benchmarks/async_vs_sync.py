@@ -3,26 +3,29 @@
     python benchmarks/async_vs_sync.py                        # the tiny copy task on CPU
     python benchmarks/async_vs_sync.py --preset gpu --model /path/to/Qwen2.5-0.5B-Instruct \
         --data data/gsm8k/train.parquet                       # one GPU (needs vLLM's CUDA build)
-    python benchmarks/async_vs_sync.py --preset gpu-copy --steps 24 --stage-steps 8 --min-gen-s 10 \
-        --out runs/bench-gpu-copy                             # one GPU, no weights to download
+    python benchmarks/async_vs_sync.py --preset gpu-copy --steps 16 --modes sync-nosleep,sync \
+        --no-stages --out runs/gpu-copy                       # one GPU, no weights to download
+    python benchmarks/async_vs_sync.py --preset gpu-copy --steps 16 --stage-steps 8 --min-gen-s 10 \
+        --modes async --merge runs/gpu-copy/async_vs_sync.json --out runs/gpu-copy
 
 `gpu-copy`: the copy task on one GPU with a random-init model written here, so nothing is downloaded:
-the tiny Qwen2 shape scaled to hidden 512, 8 layers (8 heads of 64, 2 KV heads, ~18M parameters),
-warm-started on the GPU for 40 supervised steps at lr 1e-3 (sampled copy reward ~0.5 measured on CPU,
-where the CPU presets' tiny model starts too). vLLM's CUDA build in bf16 with CUDA graphs
-(`enforce_eager=false`, 30% of the GPU's memory); the learner on the same GPU in bf16 mixed precision
-(fp32 reductions); weights pushed over gloo through host memory (`weights.backend=gloo`: one GPU cannot
-hold two NCCL ranks). 64 groups of 16 samples a step, learner.lr=1e-4 (checked on CPU with this shape
-at 8 groups of 8: reward 0.46 -> 0.53 over 30 async steps; 3e-4 fell to 0.14 before recovering).
-Meant to finish the six runs in under 8 minutes on an H200, about half of it vLLM's four start-ups;
-with `--steps 24 --min-gen-s 10` alone the stage-alone runs did not fit a 560 s call there (the
-generator made ~24 groups/s, so 24 steps of 64 groups meant ~64 s of generation in each of them):
-`--stage-steps 8` cuts that to ~21 s (not yet run on the GPU). Needs, besides torch, transformers
-and vLLM's CUDA build: pyzmq, msgspec, redis (redis-py), pyyaml, numpy, safetensors, tokenizers,
-psutil (uvloop is used when present), and a `redis-server` binary on PATH. Without CUDA the preset still runs on vLLM's CPU build when shrunk:
-`model.tiny_hidden_size=128 model.tiny_num_layers=2 model.tiny_num_kv_heads=1
-model.tiny_intermediate_size=256 learner.batch_groups=4 generator.n=4 generator.enforce_eager=true`
-(a start-up check of the preset, not a measurement).
+the Qwen2.5-0.5B body (hidden 896, 24 layers, 14 heads of 64, 2 KV heads, MLP 4864; 0.36B parameters
+without the real vocabulary: the copy task's tokenizer has 128 tokens), warm-started on the GPU for 60
+supervised steps at lr 3e-4 on copies of the run's own lengths. Prompts of 128-384 letters (one token
+each), completions up to 256 tokens (ragged: a copy ends where its prompt does), 64 groups of 8 a step
+(512 sequences). vLLM's CUDA build in bf16 with CUDA graphs (`enforce_eager=false`, 30% of the GPU's
+memory); the learner on the same GPU in bf16 mixed precision (fp32 reductions); weights over
+`weights.backend=auto`, which picks CUDA IPC when the learner and the engine share a node. Needs,
+besides torch, transformers and vLLM's CUDA build: pyzmq, msgspec, redis (redis-py), pyyaml, numpy,
+safetensors, tokenizers, psutil (uvloop is used when present), and a `redis-server` binary on PATH.
+Without CUDA the preset still runs on vLLM's CPU build when shrunk: `model.tiny_hidden_size=128
+model.tiny_num_layers=2 model.tiny_num_heads=2 model.tiny_num_kv_heads=1 model.tiny_intermediate_size=256
+learner.batch_groups=4 generator.n=4 generator.enforce_eager=true data.min_len=8 data.max_len=16
+generator.max_tokens=16 generator.max_model_len=64` (a start-up check of the preset, not a measurement).
+
+Modes: `async`, `sync`, and `sync-sleep` / `sync-nosleep` (sync with `generator.sleep=on` / `off`;
+plain `sync` keeps the default, auto). `--merge` adds the modes of an earlier call's results JSON, so
+that runs too long for one call can be split (the results are written after every mode).
 
 Real runs, back to back in one invocation (the machine's load drifts; ratios of neighbours are
 what to read):
@@ -74,13 +77,14 @@ PRESETS = {
                    "learner.ppo_epochs=6", "algorithm.max_staleness=2", "logging.prometheus=false",
                    "run.stall_timeout_s=0", "generator.cpus=0", "learner.cpus=1", "buffer.cpus=1"],
     # One GPU, the copy task and a random-init model built here (see the docstring): nothing to download.
-    "gpu-copy": ["model.tiny_hidden_size=512", "model.tiny_num_layers=8", "model.tiny_num_kv_heads=2",
-                 "model.tiny_intermediate_size=1024", "model.tiny_warm_start_steps=40",
-                 "model.tiny_warm_start_lr=0.001", "model.dtype=bfloat16", "generator.dtype=bfloat16",
-                 "generator.n=16", "generator.max_concurrent_groups=128", "generator.gpu_memory_utilization=0.3",
-                 "generator.enforce_eager=false", "learner.batch_groups=64", "learner.lr=0.0001",
+    "gpu-copy": ["model.tiny_hidden_size=896", "model.tiny_num_layers=24", "model.tiny_num_heads=14",
+                 "model.tiny_num_kv_heads=2", "model.tiny_intermediate_size=4864", "model.tiny_warm_start_steps=60",
+                 "model.tiny_warm_start_lr=0.0003", "model.dtype=bfloat16", "generator.dtype=bfloat16",
+                 "data.min_len=128", "data.max_len=384", "generator.max_tokens=256", "generator.max_model_len=768",
+                 "generator.n=8", "generator.max_concurrent_groups=128", "generator.gpu_memory_utilization=0.3",
+                 "generator.enforce_eager=false", "learner.batch_groups=64", "learner.lr=1e-5",
                  "learner.mixed_precision.param_dtype=bfloat16", "learner.mixed_precision.reduce_dtype=float32",
-                 "weights.backend=gloo", "buffer.prompt_backlog=256", "algorithm.max_staleness=2",
+                 "buffer.prompt_backlog=256", "algorithm.max_staleness=2",
                  "logging.prometheus=false", "run.stall_timeout_s=0"],
     # One GPU shared by one vLLM engine and one learner rank (the stages do not get their own device).
     "gpu": ["data.task=gsm8k", "reward.name=gsm8k", "data.chat_template=true", "generator.n=8",
@@ -209,10 +213,34 @@ def window_stats(rows: list[dict]) -> dict:
     }
 
 
+MODE_SUFFIXES = {"sleep": ["generator.sleep=on"], "nosleep": ["generator.sleep=off"]}
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """`async`, `sync`, or either with a suffix: `sync-sleep` (generator.sleep=on), `sync-nosleep` (off)."""
+    run_mode, _, suffix = mode.partition("-")
+    if run_mode not in ("async", "sync") or (suffix and suffix not in MODE_SUFFIXES):
+        raise SystemExit(f"unknown mode {mode!r}: async or sync, optionally -{'/-'.join(MODE_SUFFIXES)}")
+    return [f"run.mode={run_mode}", *MODE_SUFFIXES.get(suffix, [])]
+
+
+def sleep_stats(run_dir: Path) -> dict:
+    """From the generators' logs: the seconds each wake took before a weight load (generator.sleep),
+    and the memory vLLM reported freed by a sleep."""
+    import re
+
+    text = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("generator-*.log"))
+    wakes = [float(w) for w in re.findall(r"now at version \d+ .*? wake ([0-9.]+)s\)", text)]
+    freed = [float(f) for f in re.findall(r"Sleep mode freed ([0-9.]+) GiB", text)]
+    slept = [w for w in wakes if w > 0]
+    return {"num_wakes": len(slept), "wake_s_median": statistics.median(slept) if slept else 0.0,
+            "sleep_freed_gib": statistics.median(freed) if freed else 0.0}
+
+
 def run_mode(mode: str, base: list[str], out_dir: Path, env: dict) -> dict:
     name = f"bench-{mode}"
     run_dir = out_dir / name
-    overrides = [*base, f"run.dir={out_dir}", f"run.name={name}", f"run.mode={mode}"]
+    overrides = [*base, f"run.dir={out_dir}", f"run.name={name}", *mode_overrides(mode)]
 
     def url():
         path = run_dir / "config.yaml"
@@ -233,7 +261,12 @@ def run_mode(mode: str, base: list[str], out_dir: Path, env: dict) -> dict:
     poller.join()
     if rc != 0:
         raise RuntimeError(f"{mode} run failed (rc={rc}); see {out_dir / f'{name}.log'}")
-    stats = window_stats(_rows(run_dir))
+    rows = _rows(run_dir)
+    stats = window_stats(rows)
+    stats.update(sleep_stats(run_dir))
+    if all("peak_mem_gb" in r for r in rows):
+        stats["learner_peak_gib_max"] = max(r["peak_mem_gb"] for r in rows)
+        stats["micro_batches_median"] = statistics.median(r["micro_batches"] for r in rows)
     stats.update(mode=mode, wall_s=wall, run_dir=str(run_dir),
                  generator_idle_ratio=poller.idle_ratio(*stats["window"]),
                  load_avg_1m=(load0, os.getloadavg()[0]), processes=snap.get("procs", []))
@@ -340,6 +373,7 @@ def main() -> int:
     ap.add_argument("--min-gen-s", type=float, default=20.0, help="shortest generator-alone window, seconds")
     ap.add_argument("--stage-steps", type=int, default=0,
                     help="learner steps of each stage-alone run (0: --steps); the generator alone makes that many batches")
+    ap.add_argument("--merge", default="", help="a results JSON of an earlier call whose modes join this one's")
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides for every run")
     args = ap.parse_args()
     out_dir = Path(args.out).resolve()
@@ -353,9 +387,12 @@ def main() -> int:
         # The preset's model.tiny_* shape and warm start; on the GPU when there is one (larger shapes).
         probe = load_config(None, [*PRESETS[args.preset], *args.overrides])
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = str(write_tiny_model(out_dir / "tiny-model", seed=0, warm_start_steps=probe.model.tiny_warm_start_steps,
-                                     device=device, warm_start_lr=probe.model.tiny_warm_start_lr,
-                                     **probe.tiny_shape()))
+        model = out_dir / "tiny-model"
+        if not (model / "model.safetensors").exists():  # a later call (--merge) reuses the same model
+            write_tiny_model(model, seed=0, warm_start_steps=probe.model.tiny_warm_start_steps, device=device,
+                             warm_start_lr=probe.model.tiny_warm_start_lr,
+                             copy_len=(probe.data.min_len, probe.data.max_len), **probe.tiny_shape())
+        model = str(model)
     base = [*PRESETS[args.preset], f"run.max_steps={args.steps}", f"model.path={model}", *args.overrides]
     if args.data:
         base.append(f"data.path={args.data}")
@@ -365,9 +402,17 @@ def main() -> int:
            "PYTHONPATH": pythonpath}
     results = {"preset": args.preset, "steps": args.steps, "overrides": base, "cpus": os.cpu_count(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
+    if args.merge:
+        earlier = json.loads(Path(args.merge).read_text())
+        results["modes"].update(earlier["modes"])
+        results["merged_from"] = {"date": earlier["date"], "modes": sorted(earlier["modes"])}
+    path = out_dir / "async_vs_sync.json"
+    for mode in [m for m in args.modes.split(",") if m]:
+        mode_overrides(mode)  # an unknown mode fails before any run starts
     for mode in [m for m in args.modes.split(",") if m]:
         results["modes"][mode] = run_mode(mode, base, out_dir, env)
         print(f"{mode}: {results['modes'][mode]['trained_tokens_per_s']:.1f} trained tok/s", flush=True)
+        path.write_text(json.dumps(results, indent=2))  # what is done survives a call that runs out of time
     if not args.no_stages:
         stage_steps = args.stage_steps or args.steps
         results["stages"] = stages_alone(base, out_dir, env, stage_steps, min_gen_s=args.min_gen_s)
@@ -379,7 +424,6 @@ def main() -> int:
             results["stages_final"] = stages_alone([*base, f"model.path={final}"], out_dir, env, stage_steps,
                                                    min_gen_s=args.min_gen_s, name="bench-stages-final")
     summarize(results)
-    path = out_dir / "async_vs_sync.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
     return 0
@@ -388,7 +432,7 @@ def main() -> int:
 def summarize(results: dict) -> None:
     modes = results["modes"]
     cols = ("mode", "wall s", "window s", "trained tok/s", "reward first4->last4", "lag mean/max", "learner idle",
-            "gen idle", "step s", "sync s")
+            "gen idle", "step s", "sync s", "wake s", "freed GiB")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for m, s in modes.items():
@@ -396,11 +440,16 @@ def summarize(results: dict) -> None:
         print(f"| {m} | {s['wall_s']:.1f} | {s['window_s']:.1f} | {s['trained_tokens_per_s']:.1f} | "
               f"{s['reward_first4']:.3f} -> {s['reward_last4']:.3f} | {s['lag_mean']:.2f}/{s['lag_max']} | "
               f"{s['learner_idle_ratio']:.2f} | {'n/a' if gi is None else f'{gi:.2f}'} | "
-              f"{s['step_s_median']:.3f} | {s['sync_s_median']:.3f} |")
+              f"{s['step_s_median']:.3f} | {s['sync_s_median']:.3f} | {s.get('wake_s_median', 0.0):.3f} | "
+              f"{s.get('sleep_freed_gib', 0.0):.1f} |")
     derived = {}
     if "async" in modes and "sync" in modes:
         derived["speedup_tokens_per_s"] = modes["async"]["trained_tokens_per_s"] / modes["sync"]["trained_tokens_per_s"]
         derived["speedup_wall"] = modes["sync"]["wall_s"] / modes["async"]["wall_s"]
+    for asleep in ("sync", "sync-sleep"):
+        if asleep in modes and "sync-nosleep" in modes and modes[asleep].get("num_wakes"):
+            derived[f"{asleep}_vs_nosleep_tokens_per_s"] = (modes[asleep]["trained_tokens_per_s"]
+                                                            / modes["sync-nosleep"]["trained_tokens_per_s"])
     if (st := results.get("stages")) is not None:
         g, lr = st["generator_tokens_per_s"], st["learner_tokens_per_s"]
         gi, gb = st.get("generator_idle_ratio"), st.get("generator_busy_tokens_per_s")
