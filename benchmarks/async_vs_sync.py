@@ -391,7 +391,8 @@ def main() -> int:
         if not (model / "model.safetensors").exists():  # a later call (--merge) reuses the same model
             write_tiny_model(model, seed=0, warm_start_steps=probe.model.tiny_warm_start_steps, device=device,
                              warm_start_lr=probe.model.tiny_warm_start_lr,
-                             copy_len=(probe.data.min_len, probe.data.max_len), **probe.tiny_shape())
+                             copy_len=(probe.data.min_len, probe.data.max_len),
+                             max_positions=max(512, probe.generator.max_model_len), **probe.tiny_shape())
         model = str(model)
     base = [*PRESETS[args.preset], f"run.max_steps={args.steps}", f"model.path={model}", *args.overrides]
     if args.data:

@@ -44,12 +44,13 @@ def kill_children(keep: set[int] = frozenset()) -> list[int]:
     import psutil
 
     keep = set(keep) | {getattr(resource_tracker._resource_tracker, "_pid", None)}
-    victims = []
+    children, victims = [], []
     for child in psutil.Process().children():
         if child.pid in keep:
             continue
         try:
             victims += [*child.children(recursive=True), child]
+            children.append(child)
         except psutil.Error:  # gone already
             pass
     killed = []
@@ -59,7 +60,9 @@ def kill_children(keep: set[int] = frozenset()) -> list[int]:
             killed.append(proc)
         except psutil.Error:  # gone already, or not ours to kill
             pass
-    psutil.wait_procs(killed, timeout=5)  # reaps the direct children; a process already gone is fine
+    # Reaps the direct children (a process already gone is fine), not the grandchildren: those are
+    # not ours to reap, and waiting until whoever adopts them has reaped them only delays the exit.
+    psutil.wait_procs([p for p in killed if p in children], timeout=5)
     return [p.pid for p in killed]
 
 
@@ -342,17 +345,23 @@ class VllmEngine:
                 "load_s": max(r.get("load_s", r["seconds"]) for r in results), "stage_s": t0 - t_stage,
                 "checksums": results[0]["checksums"], "wake_s": wake_s}
 
-    def shutdown(self) -> None:
-        """Stops the engine and its processes; never raises. vLLM's teardown races its own engine
-        core's: after a 5 s grace both SIGKILL the worker, and `kill_process_tree` calls psutil's
-        `name()` on a child that may just have exited, which raises NoSuchProcess (not the
-        ProcessLookupError it suppresses). A generator that drained cleanly must still exit 0 (a
-        Slurm scale-down counts a non-zero exit as a failed job), so a failed teardown is logged and
-        what is left of the engine's processes is killed here."""
+    def shutdown(self, grace_s: float = 1.0) -> None:
+        """Stops the engine and its processes; never raises. vLLM's own shutdown SIGTERMs the engine
+        core and waits `grace_s` (its default, 5 s, was overrun on one pinned CPU, where the
+        worker's exit alone took seconds), then SIGKILLs what is left; nothing of the engine is kept
+        past the generator, so a short grace loses nothing. vLLM's teardown races its own engine
+        core's: `kill_process_tree` calls psutil's `name()` on a child that may just have exited,
+        which raises NoSuchProcess (not the ProcessLookupError it suppresses). A generator that
+        drained cleanly must still exit 0 (a Slurm scale-down counts a non-zero exit as a failed
+        job), so a failed teardown is logged, and whatever is left of the engine's processes is
+        killed here either way."""
+        t0 = time.perf_counter()
         try:
-            self.engine.shutdown()
+            self.engine.shutdown(timeout=grace_s)
         except Exception as e:  # noqa: BLE001 - logged; the processes are killed below
             log.warning("vLLM engine shutdown raised %r; killing what is left of its processes", e)
-            kill_children(getattr(self, "_children_before", set()))
+        killed = kill_children(getattr(self, "_children_before", set()))
+        log.info("vLLM engine shut down in %.2fs%s", time.perf_counter() - t0,
+                 f" (killed leftover pids {killed})" if killed else "")
         # Drop the last reference now: AsyncLLM.__del__ during interpreter exit fails noisily.
         del self.engine

@@ -64,7 +64,7 @@ class _RacingEngine:
     def __init__(self):
         self.proc, self.worker = _tree()
 
-    def shutdown(self):
+    def shutdown(self, timeout=None):
         raise psutil.NoSuchProcess(self.worker, name="VLLM::Worker")
 
 

@@ -47,7 +47,8 @@ def ensure_model(cfg: Config) -> str:
             log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny_warm_start_steps)
             write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny_warm_start_steps,
                              warm_start_lr=cfg.model.tiny_warm_start_lr,
-                             copy_len=(cfg.data.min_len, cfg.data.max_len), **cfg.tiny_shape())
+                             copy_len=(cfg.data.min_len, cfg.data.max_len),
+                             max_positions=max(512, cfg.generator.max_model_len), **cfg.tiny_shape())
     return str(path)
 
 
@@ -233,9 +234,15 @@ class Launcher:
         alive = {n: c for n, c in self.children.items() if c.poll() is None}
         if alive:
             self._mark_run_over()
-        for child in alive.values():
+        for name, child in alive.items():
             _unpin_tree(child.pid)
-            _signal_group(child, signal.SIGTERM)
+            if name.startswith("generator-"):
+                # Only the generator itself: it shuts its vLLM engine down in order (engine core, then
+                # worker). A SIGTERM to the worker as well ended it under a request or weight load the
+                # engine core then waited on until vLLM's 5 s shutdown timeout killed it.
+                os.kill(child.pid, signal.SIGTERM)
+            else:
+                _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline and any(c.poll() is None for c in alive.values()):
             time.sleep(0.1)
@@ -281,6 +288,9 @@ def _signal_group(child: subprocess.Popen, sig: int) -> None:
 
 
 def kill_tree(pid: int, sig: int) -> None:
+    """Signals `pid`'s process group (when `pid` leads one) and each descendant outside it, once each:
+    a second SIGTERM to a process already handling the first cut its way out short (torchrun's agent
+    printed a traceback from inside its logging; the buffer left without draining)."""
     import psutil
 
     try:
@@ -289,10 +299,12 @@ def kill_tree(pid: int, sig: int) -> None:
         procs = []
     try:
         os.killpg(pid, sig)
+        group = pid
     except (ProcessLookupError, PermissionError):
-        pass
+        group = None
     for p in procs:
         try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
+            if group is None or os.getpgid(p.pid) != group:
+                p.send_signal(sig)
+        except (psutil.NoSuchProcess, ProcessLookupError):
             pass
