@@ -94,6 +94,8 @@ def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, ba
         loss_value = float(loss.detach())
     model.eval()
     model.to("cpu")
+    if device.startswith("cuda"):  # the activations' cached blocks would stay reserved in this process
+        torch.cuda.empty_cache()
     return loss_value
 
 
