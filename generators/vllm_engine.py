@@ -319,27 +319,31 @@ class VllmEngine:
         t_stage = time.perf_counter()
         if staged:
             await self._stage(announcement_frame, timeout_s)
-        wake_s = await self._awake()  # the load writes into the engine's weights: they must be resident
-        t0 = time.perf_counter()
-        if mode == "abort":
-            self._resumed.clear()
-        await self._pause({"keep": "keep", "abort": "abort", "drain": "wait"}[mode])
-        t_paused = time.perf_counter()
+        self._active += 1  # `idle` must not put the engine to sleep between the wake and the end of the load
         try:
-            if staged:
-                # Staging has finished or used up its timeout: a short wait while paused, not another timeout.
-                results = await self.engine.collective_rpc("asyncrl_load_staged", args=(STAGED_JOIN_S,))
-            else:
-                results = await self.engine.collective_rpc(
-                    "asyncrl_receive", args=(announcement_frame, timeout_s, self.cfg.weights.atomic))
-            errors = [r["error"] for r in results if r.get("error")]
-            if errors:  # nothing was loaded: the engine keeps its previous weights and version
-                raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
-            self.loaded_version = version
-            self.shares_gpu = self.weights_backend == "ipc" and all(r.get("same_gpu") for r in results)
+            wake_s = await self._awake()  # the load writes into the engine's weights: they must be resident
+            t0 = time.perf_counter()
+            if mode == "abort":
+                self._resumed.clear()
+            await self._pause({"keep": "keep", "abort": "abort", "drain": "wait"}[mode])
+            t_paused = time.perf_counter()
+            try:
+                if staged:
+                    # Staging has finished or used up its timeout: a short wait while paused, not another timeout.
+                    results = await self.engine.collective_rpc("asyncrl_load_staged", args=(STAGED_JOIN_S,))
+                else:
+                    results = await self.engine.collective_rpc(
+                        "asyncrl_receive", args=(announcement_frame, timeout_s, self.cfg.weights.atomic))
+                errors = [r["error"] for r in results if r.get("error")]
+                if errors:  # nothing was loaded: the engine keeps its previous weights and version
+                    raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
+                self.loaded_version = version
+                self.shares_gpu = self.weights_backend == "ipc" and all(r.get("same_gpu") for r in results)
+            finally:
+                await self.engine.resume_generation()
+                self._resumed.set()
         finally:
-            await self.engine.resume_generation()
-            self._resumed.set()
+            self._active -= 1
         t1 = time.perf_counter()
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": max(r["seconds"] for r in results),
                 "load_s": max(r.get("load_s", r["seconds"]) for r in results), "stage_s": t0 - t_stage,

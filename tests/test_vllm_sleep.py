@@ -112,6 +112,44 @@ def test_no_sleep_while_a_group_is_running():
     asyncio.run(scenario())
 
 
+def test_a_weight_load_wakes_the_engine_and_no_idle_sleeps_it_before_the_load_is_done():
+    import time
+
+    from asyncrl.protocol import schema
+
+    eng, rec = _engine()
+    eng.weights_backend, eng.loaded_version = "ipc", None
+    eng._resumed = asyncio.Event()
+
+    async def no_pause(mode):
+        rec.calls.append(("pause", mode))
+
+    async def resume():
+        rec.calls.append(("resume",))
+
+    async def load(method, args=()):
+        await eng.idle()  # the lease loop idles while the weights load: it must not sleep the engine
+        rec.calls.append((method, eng.asleep))
+        return [{"checksums": [7], "seconds": 0.01, "same_gpu": True}]
+
+    eng._pause, rec.resume_generation, rec.collective_rpc = no_pause, resume, load
+    ann = schema.encode(schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=2, epoch=1,
+                                                  buckets=[], announced_at=time.time()))
+
+    async def scenario():
+        eng.shares_gpu = True
+        await eng.idle()
+        stats = await eng.update_weights(ann, "keep", 5.0)
+        assert stats["checksums"] == [7] and stats["wake_s"] >= 0.0
+        assert rec.calls == [("sleep", 1), ("wake_up", None), ("pause", "keep"), ("asyncrl_receive", False),
+                             ("resume",)]
+        assert eng.loaded_version == 2 and eng.shares_gpu and not eng.asleep
+        await eng.idle()  # after the load the engine may sleep again
+        assert rec.calls[-1] == ("sleep", 1)
+
+    asyncio.run(scenario())
+
+
 def test_off_and_async_mode_never_sleep():
     for overrides in (["generator.sleep=off"], ["run.mode=async", "generator.sleep=on"]):
         eng, rec = _engine(*overrides)
