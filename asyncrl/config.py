@@ -70,10 +70,9 @@ class RunConfig(Section):
     """Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off."""
     on_stall: Literal["warn", "fail"] = "warn"
     """fail: the launcher stops the run with exit code 3"""
-    affinity: Literal["auto", "off"] = "off"
+    affinity: Literal["auto", "off"] = "auto"
     """CPU affinity when no role's `cpus` is set. auto: on a machine of at most 4 CPUs the launcher pins the
-    roles apart (asyncrl/launch/affinity.py; the README's demo command sets it); off: never pins unless a
-    role's `cpus` says so."""
+    roles apart (asyncrl/launch/affinity.py); off: never pins unless a role's `cpus` says so."""
 
 
 class ModelConfig(Section):

@@ -91,7 +91,7 @@ def test_auto_affinity_splits_small_machines_and_leaves_the_rest():
     assert auto_split([0, 1, 2]) == {"generator": (0,), "learner": (1,), "buffer": (2,)}
     assert auto_split([0, 1, 2, 3]) == {"generator": (0, 1), "learner": (2,), "buffer": (3,)}
     assert auto_split([5, 3]) == {"generator": (3,), "learner": (5,), "buffer": (3,)}  # the CPUs allowed, not 0..n-1
-    assert load_config(None, []).run.affinity == "off"
+    assert load_config(None, []).run.affinity == "auto"
     cfg = load_config(None, ["run.affinity=auto"])
     split, line = auto_assignment(cfg, allowed={0, 1})
     assert split == auto_split([0, 1])
@@ -112,8 +112,8 @@ def test_explicit_cpus_win_and_off_pins_nothing(tmp_path, monkeypatch, capsys):
     assert split is None and line == "affinity: none (run.affinity=off)"
     # The launcher writes its choice into the config its children read, and prints it.
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    for overrides, want in ((["run.affinity=auto"], ("0", "1", "0")), ([], ("", "", "")),
-                            (["run.affinity=auto", "generator.cpus=1"], ("1", "", ""))):
+    for overrides, want in (([], ("0", "1", "0")), (["run.affinity=off"], ("", "", "")),
+                            (["generator.cpus=1"], ("1", "", ""))):
         launcher = Launcher(load_config(None, [f"run.dir={tmp_path}", *overrides]))
         launcher._pin_roles()
         assert tuple(getattr(launcher.cfg, role).cpus for role in ("generator", "learner", "buffer")) == want

@@ -26,7 +26,7 @@ def test_default_run_learns_within_the_staleness_bound(tmp_path):
     # written by the run itself; only the length is shortened.
     run_dir = tmp_path / "runs" / "tiny"
     steps = 24
-    r = subprocess.run([sys.executable, "-m", "asyncrl", "run", f"run.max_steps={steps}", "run.affinity=auto"],
+    r = subprocess.run([sys.executable, "-m", "asyncrl", "run", f"run.max_steps={steps}"],
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = _metrics(run_dir)
@@ -43,7 +43,7 @@ def test_default_run_learns_within_the_staleness_bound(tmp_path):
     # on are within the staleness bound of the step that trains it.
     assert rows[-1]["dropped_frac"] < 0.02, [row["dropped_stale"] for row in rows]
     assert "dropped_frac=" in next(line for line in r.stdout.splitlines() if line.startswith("step="))
-    # run.affinity=auto on a machine of 2-4 CPUs pins the roles apart, and says so.
+    # run.affinity=auto (the default) on a machine of 2-4 CPUs pins the roles apart, and says so.
     allowed = len(os.sched_getaffinity(0))
     pinned = next(line for line in r.stdout.splitlines() if line.startswith("affinity: "))
     if 2 <= allowed <= 4:

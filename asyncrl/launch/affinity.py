@@ -19,7 +19,7 @@ more threads than it has cores (they would time-slice one core):
   and torchrun passes to every rank;
 - buffer: no threaded math; only the mask.
 
-`run.affinity=auto` (off by default; the README's demo command sets it): when no role's `cpus` is set and this process may use at most
+`run.affinity=auto` (the default): when no role's `cpus` is set and this process may use at most
 `AUTO_MAX_CPUS` CPUs, `asyncrl run` assigns the roles disjoint CPUs itself (`auto_assignment`) and
 writes them into the run's config.yaml, so every child (and a generator added by `asyncrl scale`)
 pins itself as if the user had set them. On a bigger machine, or with `run.affinity=off`, nothing is
