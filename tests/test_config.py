@@ -62,9 +62,11 @@ def test_benchmark_presets_load_and_tiny_shapes_are_checked():
     for name, overrides in PRESETS.items():
         cfg = load_config(None, [*overrides, "data.path=train.parquet"])
         if name == "gpu-copy":
-            assert cfg.tiny_shape() == {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 2,
-                                        "intermediate_size": 1024}
-            assert cfg.weights.backend == "gloo" and not cfg.generator.enforce_eager
+            # The Qwen2.5-0.5B body, its completions within the engine's context and the model's positions.
+            assert cfg.tiny_shape() == {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
+                                        "intermediate_size": 4864}
+            assert cfg.data.max_len + 1 + cfg.generator.max_tokens <= cfg.generator.max_model_len
+            assert cfg.weights.backend == "auto" and not cfg.generator.enforce_eager
             assert cfg.learner.mixed_precision.param_dtype == "bfloat16" == cfg.model.dtype == cfg.generator.dtype
     assert load_config(None, []).tiny_shape() == {"hidden_size": 128, "num_layers": 2, "num_heads": 2,
                                                   "num_kv_heads": 1, "intermediate_size": 256}
