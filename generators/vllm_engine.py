@@ -135,7 +135,7 @@ class VllmEngine:
         self.asleep = False
         self.shares_gpu = False  # the last push came over ipc from a learner on this engine's GPU
         self.num_sleeps, self.sleep_s_total, self.wake_s_total = 0, 0.0, 0.0
-        self._active = 0  # generate_group calls running
+        self._active = 0  # generate_group calls and weight loads running: no sleep meanwhile
         self._sleep_lock = asyncio.Lock()
 
     async def idle(self) -> None:
@@ -309,8 +309,9 @@ class VllmEngine:
 
         keep: in-flight sequences are frozen and continue afterwards under the new weights (their KV
         cache from the old ones); abort: they are aborted and `generate_group` resubmits each with its
-        tokens so far (re-prefilled under the new weights); drain: they finish first (vLLM's "wait"). A sleeping engine (generator.sleep) is woken first
-        (wake_s, outside pause_s: nothing was generating).
+        tokens so far (re-prefilled under the new weights); drain: they finish first (vLLM's "wait").
+        A sleeping engine (generator.sleep) is woken first (wake_s, outside pause_s: nothing was
+        generating).
         """
         from asyncrl.protocol import schema
 
