@@ -27,6 +27,7 @@ def cpu_env_defaults(cfg: Config) -> None:
 STAGE_POLL_S = 0.002  # first interval at which update_weights asks the workers whether staging is done
 STAGE_POLL_MAX_S = 0.02  # the interval doubles up to this
 STAGED_JOIN_S = 5.0  # how long the paused load waits for a staging thread that has not finished
+SHUTDOWN_GRACE_S = 1.0  # what vLLM's shutdown waits for its engine core before it SIGKILLs it
 
 
 def child_pids() -> set[int]:
@@ -350,9 +351,9 @@ class VllmEngine:
                 "load_s": max(r.get("load_s", r["seconds"]) for r in results), "stage_s": t0 - t_stage,
                 "checksums": results[0]["checksums"], "wake_s": wake_s}
 
-    def shutdown(self, grace_s: float = 1.0) -> None:
+    def shutdown(self) -> None:
         """Stops the engine and its processes; never raises. vLLM's own shutdown SIGTERMs the engine
-        core and waits `grace_s` (its default, 5 s, was overrun on one pinned CPU, where the
+        core and waits SHUTDOWN_GRACE_S (its default, 5 s, was overrun on one pinned CPU, where the
         worker's exit alone took seconds), then SIGKILLs what is left; nothing of the engine is kept
         past the generator, so a short grace loses nothing. vLLM's teardown races its own engine
         core's: `kill_process_tree` calls psutil's `name()` on a child that may just have exited,
@@ -362,7 +363,7 @@ class VllmEngine:
         killed here either way."""
         t0 = time.perf_counter()
         try:
-            self.engine.shutdown(timeout=grace_s)
+            self.engine.shutdown(timeout=SHUTDOWN_GRACE_S)
         except Exception as e:  # noqa: BLE001 - logged; the processes are killed below
             log.warning("vLLM engine shutdown raised %r; killing what is left of its processes", e)
         killed = kill_children(getattr(self, "_children_before", set()))
