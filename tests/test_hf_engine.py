@@ -90,5 +90,5 @@ def test_engine_interface_matches_vllm(backend):
 
     from generators.vllm_engine import VllmEngine
 
-    for name in ("generate_group", "join", "update_weights", "shutdown"):
+    for name in ("generate_group", "join", "update_weights", "idle", "shutdown"):
         assert inspect.signature(getattr(HfEngine, name)) == inspect.signature(getattr(VllmEngine, name)), name
