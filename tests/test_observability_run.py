@@ -133,9 +133,14 @@ def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, 
         assert _value(learner, "asyncrl_learner_sync_seconds") > 0
         lag = {s.labels["le"]: s.value for s in learner["asyncrl_staleness_lag"].samples if s.name.endswith("_bucket")}
         assert lag["+Inf"] > 0 and lag["1"] == lag["+Inf"], lag
-        buffer = _scrape(urls["buffer"])
-        groups = [s.value for s in buffer["asyncrl_buffer_groups"].samples if s.name.endswith("_total")]
-        assert groups and groups[0] >= 8, "the buffer stored at least a batch of groups"
+        # The buffer's counters are sampled periodically, so a scrape right after the second step can
+        # still show an earlier count: wait for the sample that has a batch in it.
+        def buffer_stored_a_batch():
+            fams = _scrape(urls["buffer"])
+            groups = [s.value for s in fams["asyncrl_buffer_groups"].samples if s.name.endswith("_total")]
+            return fams if groups and groups[0] >= 8 else None
+
+        buffer = _wait(buffer_stored_a_batch, 60, "the buffer's /metrics to count a batch of groups", proc, log)
         assert "asyncrl_buffer_depth" in buffer and "asyncrl_buffer_oldest_age_seconds" in buffer
         for gid in ("g0", "g1"):
             gen = _scrape(urls[f"generator:{gid}"])
