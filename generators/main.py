@@ -305,8 +305,7 @@ class Generator:
                                                 block=None if lockstep else 200)
             if not reply:
                 if lockstep:
-                    if not self.inflight and not len(self.outbox):
-                        await self.engine.idle()  # this batch is done here: the learner steps next
+                    await self._idle_if_done()  # this batch is done here: the learner steps next
                     await self.notes.wait(("prompts", "version", "held"), seen, PROMPTS_FALLBACK_S)
                 if not self.inflight:
                     self.idle_s += time.monotonic() - t0
@@ -322,6 +321,12 @@ class Generator:
                 self.inflight.add(t)
                 t.add_done_callback(self._done)
 
+    async def _idle_if_done(self) -> None:
+        """run.mode=sync: tells the engine it idles (generator.sleep) once nothing is in flight and the
+        outbox has handed every group to the buffer."""
+        if not self.inflight and not len(self.outbox):
+            await self.engine.idle()
+
     async def _learner_version(self) -> int:
         return int(await self.redis.get(self.keys.version) or 0)
 
@@ -332,8 +337,7 @@ class Generator:
             return True
         t0 = time.monotonic()
         self.state = "waiting_weights"
-        if not self.inflight and not len(self.outbox):
-            await self.engine.idle()
+        await self._idle_if_done()
         await self.notes.wait(("version", "held"), seen, VERSION_FALLBACK_S)
         if not self.inflight:
             self.idle_s += time.monotonic() - t0

@@ -135,7 +135,7 @@ class VllmEngine:
         self.sleep_mode = sleep_enabled(cfg, on_cpu)
         self.asleep = False
         self.shares_gpu = False  # the last push came over ipc from a learner on this engine's GPU
-        self.num_sleeps, self.sleep_s_total, self.wake_s_total = 0, 0.0, 0.0
+        self.num_sleeps = 0
         self._active = 0  # generate_group calls and weight loads running: no sleep meanwhile
         self._sleep_lock = asyncio.Lock()
 
@@ -154,7 +154,6 @@ class VllmEngine:
             await self.engine.sleep(level=self.cfg.generator.sleep_level)
             self.asleep = True
             self.num_sleeps += 1
-            self.sleep_s_total += time.perf_counter() - t0
             if self.num_sleeps == 1:
                 log.info("engine asleep between batches (generator.sleep=%s, level %d): %.3fs to sleep",
                          self.cfg.generator.sleep, self.cfg.generator.sleep_level, time.perf_counter() - t0)
@@ -170,9 +169,7 @@ class VllmEngine:
             t0 = time.perf_counter()
             await self.engine.wake_up()
             self.asleep = False
-            took = time.perf_counter() - t0
-            self.wake_s_total += took
-            return took
+            return time.perf_counter() - t0
 
     def sampling_params(self, n: int, temperature: float | None = None, max_tokens: int | None = None):
         from vllm import SamplingParams
