@@ -181,10 +181,11 @@ class Generator:
         if epoch_frame:
             info = schema.decode(epoch_frame, schema.GroupEpoch)
             if info.epoch > self.epoch and any(m.startswith(f"{self.id}.") for m in info.members):
+                t0 = time.monotonic()
                 ok = await self.engine.join(epoch_frame, self.id, w.join_timeout_s)
                 if ok:
                     self.epoch = info.epoch
-                log.info("generator %s join epoch=%d ok=%s", self.id, info.epoch, ok)
+                log.info("generator %s join epoch=%d ok=%s (%.2fs)", self.id, info.epoch, ok, time.monotonic() - t0)
                 ann_frame = await self.redis.get(self.keys.wsync)  # may have moved on while we joined
         if not ann_frame or self.epoch < 0:
             return last_ann

@@ -32,3 +32,22 @@ def test_generator_uses_only_the_protocol():
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
             and n.value.attr == "engine" and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
     assert used and used <= set(METHODS) | {"num_workers"}, used
+
+
+@pytest.mark.parametrize("tp, preset, want", [(1, None, "0"), (2, None, "1"), (1, "1", "1")])
+def test_cpu_build_runs_a_single_worker_inside_the_engine_core(monkeypatch, tp, preset, want):
+    """One worker: vLLM's uni executor in the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), not
+    a third process; tensor parallelism keeps the multiprocessing executor; a value already in the
+    environment is the user's and stays."""
+    from asyncrl.config import load_config
+    from generators.vllm_engine import cpu_env_defaults
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                 "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    if preset is not None:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", preset)
+    cpu_env_defaults(load_config(None, [f"generator.tensor_parallel_size={tp}"]))
+    import os
+
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == want

@@ -77,6 +77,12 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
     sd = model.state_dict()
     sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=60, sync_timeout_s=60)
     engine = VllmEngine(cfg, tiny_model)
+    # One worker on the CPU build: it runs inside the engine core, the one process the engine started.
+    import psutil
+
+    started = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in engine._children_before and "resource_tracker" not in " ".join(p.cmdline())]
+    assert [p.name() for p in started] == ["VLLM::EngineCore"], [(p.name(), p.cmdline()[:3]) for p in started]
 
     async def scenario():
         before = await _vllm_greedy(engine, tok, PROMPTS, 12)
