@@ -2,6 +2,7 @@
 the same parameters in the same order, coroutine where the protocol has one."""
 
 import inspect
+import os
 
 import pytest
 
@@ -48,6 +49,4 @@ def test_cpu_build_runs_a_single_worker_inside_the_engine_core(monkeypatch, tp, 
     if preset is not None:
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", preset)
     cpu_env_defaults(load_config(None, [f"generator.tensor_parallel_size={tp}"]))
-    import os
-
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == want
