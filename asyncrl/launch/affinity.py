@@ -9,12 +9,13 @@ The local redis-server follows `buffer.cpus`.
 
 Thread counts follow the CPUs, because an affinity mask alone does not stop a library from starting
 more threads than it has cores (they would time-slice one core):
-- generator: vLLM's CPU build binds its OpenMP threads itself (`VLLM_CPU_OMP_THREADS_BIND`: "auto"
-  picks cores from the affinity mask but reserves one of them for the scheduler process, "nobind"
-  leaves OMP_NUM_THREADS as given, a CPU list binds exactly those). We pass the role's CPUs as the
-  list (split into `tensor_parallel_size` equal parts, one per worker), so vLLM starts one OpenMP
-  thread per CPU, bound to it (`OMP_PLACES` / `OMP_PROC_BIND`), and `generator.cpu_threads` is
-  ignored;
+- generator: `OMP_NUM_THREADS` is the role's CPUs per worker, and `generator.cpu_threads` is
+  ignored. One worker runs inside vLLM's engine core (its uni executor), inside the inherited mask.
+  With tensor parallelism vLLM's multiprocessing executor binds each worker's OpenMP threads itself
+  (`VLLM_CPU_OMP_THREADS_BIND`: "auto" picks cores from the mask but reserves one of them for the
+  scheduler process, "nobind" leaves them unbound, a CPU list binds exactly those); we pass the
+  role's CPUs as the list, split into `tensor_parallel_size` equal parts, one thread per CPU
+  (`OMP_PLACES` / `OMP_PROC_BIND`);
 - learner: `OMP_NUM_THREADS` = its CPUs / `learner.nproc`, which torch reads as its thread count
   and torchrun passes to every rank;
 - buffer: no threaded math; only the mask.
