@@ -79,6 +79,9 @@ def import_vllm(cfg: Config) -> bool:
     import torch
 
     on_cpu = not torch.cuda.is_available()
+    # An engine process that dies of a signal (a crash in a native kernel) prints every thread's
+    # Python stack into the generator's log instead of vanishing with "engine core exited unexpectedly".
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     if on_cpu:
         cpu_env_defaults(cfg)
     else:
@@ -96,6 +99,29 @@ def sleep_enabled(cfg: Config, on_cpu: bool) -> bool:
     """Whether the engine is built for vLLM's sleep mode (generator.sleep): sync mode on CUDA only. In
     async mode the engine never idles for a learner step; the CPU build has no sleep mode."""
     return cfg.run.mode == "sync" and cfg.generator.sleep != "off" and not on_cpu
+
+
+def append_delta(s: SampleOut, c, version: int) -> None:
+    """Appends one DELTA `CompletionOutput` to its sample: tokens, behaviour log-probs, version stamps.
+
+    The delta's log-probs are its first len(token_ids) positions. vLLM releases before 0.26 slice a
+    delta's log-probs as `[-len(token_ids):]`, which for a delta of no tokens (the closing output of
+    an aborted request, weights.mode=abort) is the request's whole history; when the consumer lags,
+    vLLM merges that delta into the pending one, whose own log-probs then come first."""
+    n = len(c.token_ids)
+    if n:
+        lps = c.logprobs or []
+        if len(lps) > n:
+            lps = lps[:n]
+        flat = getattr(lps, "logprobs", None)  # FlatLogprobs: logprobs=0 -> one per position
+        if flat is not None and len(flat) == n:
+            s.logprobs.extend(flat)
+        else:
+            s.logprobs.extend(lp[tid].logprob for tid, lp in zip(c.token_ids, lps, strict=True))
+        s.token_ids.extend(c.token_ids)
+        s.versions.extend([version] * n)
+    if c.finish_reason:
+        s.finish_reason = c.finish_reason
 
 
 class VllmEngine:
@@ -205,16 +231,7 @@ class VllmEngine:
                                               request_id=uuid.uuid4().hex):
             v = self._stamp(version)
             for c in out.outputs:
-                s = samples[c.index]
-                flat = getattr(c.logprobs, "logprobs", None)  # FlatLogprobs: logprobs=0 -> one per position
-                if flat is not None and len(flat) == len(c.token_ids):
-                    s.logprobs.extend(flat)
-                else:
-                    s.logprobs.extend(lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs or [], strict=True))
-                s.token_ids.extend(c.token_ids)
-                s.versions.extend([v] * len(c.token_ids))
-                if c.finish_reason:
-                    s.finish_reason = c.finish_reason
+                append_delta(samples[c.index], c, v)
 
     async def _resubmit(self, prompt_ids: list[int], s: SampleOut, version: Callable[[], int],
                         temperature: float | None, max_tokens: int) -> None:
@@ -352,7 +369,8 @@ class VllmEngine:
         t1 = time.perf_counter()
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": max(r["seconds"] for r in results),
                 "load_s": max(r.get("load_s", r["seconds"]) for r in results), "stage_s": t0 - t_stage,
-                "checksums": results[0]["checksums"], "wake_s": wake_s}
+                "checksums": results[0]["checksums"], "wake_s": wake_s,
+                **{k: max(r.get(k, 0.0) for r in results) for k in ("handle_s", "checksum_s", "finish_s")}}
 
     def shutdown(self) -> None:
         """Stops the engine and its processes; never raises. vLLM's own shutdown SIGTERMs the engine
