@@ -32,6 +32,9 @@ class WeightUpdateStats(TypedDict, total=False):
     stage_s: float  # vLLM staged receive: the transfer before the pause
     checksums: list[int]  # one per bucket, compared by the learner with what it sent
     wake_s: float  # vLLM sleep mode: waking the engine before the load
+    handle_s: float  # ipc, within receive_s: waiting for the learner's buffer handle (and opening it)
+    checksum_s: float  # ipc, within receive_s: the checksums of the learner's buffer on the device
+    finish_s: float  # ipc, within receive_s: the device finishing its reads, and the confirmation
 
 
 @runtime_checkable

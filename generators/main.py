@@ -207,12 +207,16 @@ class Generator:
                                                  "mode": w.mode, "pause_s": f"{stats['pause_s']:.4f}",
                                                  "wake_s": f"{stats.get('wake_s', 0.0):.4f}",
                                                  "t": f"{time.time():.3f}"}, maxlen=10_000, approximate=True)
-        self.state = prev if prev in ("draining", "generating") else "generating"
+        if self.state == "syncing":  # a drain that began during the update keeps "draining"
+            self.state = prev if prev in ("draining", "generating") else "generating"
         await self.heartbeat()
         await notify.publish(self.redis, self.keys, "fleet")  # the buffer's admission counts from it
-        log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs; transfer before it %.3fs;"
-                 " wake %.3fs)", self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0),
-                 stats.get("load_s", stats.get("receive_s", 0.0)), stats.get("stage_s", 0.0), stats.get("wake_s", 0.0))
+        ipc = (f"; ipc handle {stats['handle_s']:.3f}s, checksums {stats['checksum_s']:.3f}s, "
+               f"confirm {stats['finish_s']:.3f}s" if stats.get("handle_s") else "")
+        log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs%s; transfer before it "
+                 "%.3fs; wake %.3fs)", self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0),
+                 stats.get("load_s", stats.get("receive_s", 0.0)), ipc, stats.get("stage_s", 0.0),
+                 stats.get("wake_s", 0.0))
         return ident
 
     # ---- generation ----------------------------------------------------------------------------
@@ -446,10 +450,15 @@ class Generator:
             return  # Redis was down while leaving: the way out handles that
         raise lease.exception()
 
-    async def _drain(self) -> None:
-        """The way out after the lease loop stopped, within the leave deadline."""
+    async def _announce_draining(self) -> None:
+        """The heartbeat says "draining" from now on, which the learner reads as: leave this generator
+        out of the next weight group. A weight update in progress keeps that state when it ends."""
         self.state = "draining"
         await self._bounded("heartbeat", self.heartbeat())
+
+    async def _drain(self) -> None:
+        """The way out after the lease loop stopped, within the leave deadline."""
+        await self._announce_draining()
         if not self.run_over and self.redis_lost is None:  # a whole run's teardown sets `stop` first
             self.run_over = bool(await self._bounded("stop key", self.redis.exists(self.keys.stop)))
         if self.run_over:

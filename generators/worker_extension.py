@@ -151,6 +151,8 @@ class AsyncRLWorkerExtension:
         except Exception as e:  # noqa: BLE001 - reported to the learner and to the generator process
             receiver.finish(ann, error=f"{type(e).__name__}: {e}")
             return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
+        t_loaded = time.perf_counter()
         receiver.finish(ann)
         return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0,
-                "same_gpu": receiver.shares_device}
+                "same_gpu": receiver.shares_device, "handle_s": receiver.handle_s,
+                "checksum_s": receiver.checksum_s, "finish_s": time.perf_counter() - t_loaded}

@@ -504,6 +504,7 @@ class WeightReceiver:
         self._ipc: tuple[tuple, torch.Tensor] | None = None  # the learner's flat buffer, opened once per handle
         self.shares_device = False  # ipc: the learner's buffer is on this process's current GPU
         self.checksums: list[int] = []
+        self.handle_s = self.checksum_s = 0.0  # ipc: waiting for (and opening) the handle; the checksums
 
     def join(self, info: GroupEpoch, timeout_s: float) -> bool:
         """Joins `info`'s epoch; False when the learner re-formed it without us (look again)."""
@@ -585,6 +586,7 @@ class WeightReceiver:
         from asyncrl.protocol import schema
 
         store, key = self.pg.store, f"ipc/{ann.version}/{self.member_id}"
+        t0 = time.perf_counter()
         try:
             store.wait([key], timedelta(seconds=timeout_s))
         except RuntimeError as e:
@@ -601,7 +603,9 @@ class WeightReceiver:
         flat = self._ipc[1]
         self.shares_device = flat.device.index == torch.cuda.current_device()
         bufs = [flat[offsets[i]: offsets[i] + b.nbytes] for i, b in enumerate(ann.buckets)]
+        self.handle_s = time.perf_counter() - t0
         self.checksums = device_checksums(bufs, ann.buckets, ann.checksum)
+        self.checksum_s = time.perf_counter() - t0 - self.handle_s
         for buf, bucket in zip(bufs, ann.buckets, strict=True):
             for meta in bucket.tensors:
                 yield meta.name, buf[meta.offset: meta.offset + meta.nbytes].view(to_dtype(meta.dtype)).view(meta.shape)
