@@ -28,7 +28,8 @@ def _wait(cond, timeout_s, what, log):
 
 
 def test_local_scale_up_and_down(tmp_path, tiny_model):
-    overrides = [f"run.dir={tmp_path / 'runs'}", f"model.path={tiny_model}", "run.name=lscale", "run.max_steps=400",
+    # The run ends by the test's stop request: no step budget that a fast run could use up first.
+    overrides = [f"run.dir={tmp_path / 'runs'}", f"model.path={tiny_model}", "run.name=lscale", "run.max_steps=100000",
                  "learner.nproc=1", "generator.kv_cache_gb=0.5", "generator.cpu_threads=1", "run.stall_timeout_s=0"]
     run_dir = tmp_path / "runs" / "lscale"
     out = open(tmp_path / "run.log", "w")

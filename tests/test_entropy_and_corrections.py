@@ -100,7 +100,9 @@ def test_corrections_one_micro_batch_equals_many(overrides):
     whole_stats, whole, plan1 = one_update(tiny_lm(), groups, cfg, budget=10_000)
     split_stats, split, plan8 = one_update(tiny_lm(), groups, cfg, budget=40)
     assert plan8.micro_batches(0) >= 4
-    assert split_stats["loss"] == pytest.approx(whole_stats["loss"], rel=1e-6, abs=1e-9)
+    # The head's log-probs are computed in fp32 chunks (as in the chunked-entropy test above), so
+    # the loss of a split step differs from the whole one by fp32 rounding (seen: 1.2e-6 relative).
+    assert split_stats["loss"] == pytest.approx(whole_stats["loss"], rel=1e-5, abs=1e-9)
     for n, g in whole.items():
         assert torch.allclose(split[n], g, rtol=1e-5, atol=1e-7), (n, (split[n] - g).abs().max())
     assert any(g.abs().sum() > 0 for g in whole.values())

@@ -15,17 +15,23 @@ from tests.gen_support import Pusher, perturbed_state, switch_points
 
 
 @pytest.mark.slow
-def test_vllm_weight_modes_keep_abort_drain(make_cfg, tiny_model):
+def test_vllm_weight_modes_keep_abort_drain(make_cfg, tmp_path):
     from transformers import AutoTokenizer
 
+    from asyncrl.tools.tiny_model import write_tiny_model
     from generators.vllm_engine import VllmEngine
 
+    # Untrained, so that its completions run on (the end token is one of 128) and some are surely in
+    # flight when the update comes: the warm-started model stops after 1-8 tokens, and the update
+    # then sometimes found every sample finished.
+    model = str(write_tiny_model(tmp_path / "untrained", seed=0))
     max_tokens = 48
-    cfg = make_cfg(f"generator.max_tokens={max_tokens}", "generator.max_model_len=96", "weights.atomic=false")
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+    cfg = make_cfg(f"generator.max_tokens={max_tokens}", "generator.max_model_len=96", "weights.atomic=false",
+                   f"model.path={model}")
+    tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("abcd=", "hg=", "fedc=", "bad=")]
-    states = [perturbed_state(tiny_model, seed) for seed in (1, 2, 3)]
-    engine = VllmEngine(cfg, tiny_model)
+    states = [perturbed_state(model, seed) for seed in (1, 2, 3)]
+    engine = VllmEngine(cfg, model)
     pusher = Pusher()
 
     async def in_flight_push(sd, version, mode):
