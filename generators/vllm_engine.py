@@ -328,9 +328,10 @@ class VllmEngine:
         the load (stage_s: the transfer). Over NCCL, or streaming (atomic=false), the transfer is inside
         the pause.
 
-        keep: in-flight sequences are frozen and continue afterwards under the new weights (their KV
-        cache from the old ones); abort: they are aborted and `generate_group` resubmits each with its
-        tokens so far (re-prefilled under the new weights); drain: they finish first (vLLM's "wait").
+        keep: in-flight sequences are frozen and continue afterwards under the new weights (the pause
+        clears the caches, which preempts them: they are re-prefilled under the new weights); abort:
+        they are aborted and `generate_group` resubmits each with its tokens so far (re-prefilled
+        under the new weights); drain: they finish first (vLLM's "wait").
         A sleeping engine (generator.sleep) is woken first (wake_s, outside pause_s: nothing was
         generating).
         """
