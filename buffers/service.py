@@ -111,7 +111,7 @@ class BufferService:
         self.keys = Keys(cfg.run.name)
         self.client = client or connect(cfg.buffer.redis_url, retry_s=cfg.buffer.redis_retry_s)
         self.rows = load_prompts(cfg)
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # exported from the first sample on
         self.instance = uuid.uuid4().hex
         self._stop = threading.Event()
         self._ctx = zmq.Context()

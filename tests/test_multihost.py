@@ -265,10 +265,15 @@ def test_two_node_example_across_namespaces(hosts, tmp_path, tiny_model, record_
         assert failed, gen_failed
         recovered = min(float(e["t"]) for e in syncs if float(e["t"]) > float(failed[0]["t"]))
         assert all(float(e["t"]) < recovered + 5 for e in gen_failed), (recovered, gen_failed)
+    # A failed push's version may reach no one: the learner drops the group and its next step pushes
+    # the version after it.
+    lost = {int(e["version"]) for e in failed}
     for gid in ("b0", "b2"):
         loaded = [int(v) for v in re.findall(rf"generator {gid} now at version (\d+)", procs.log(gid))]
         # (a re-formed epoch sends the current version again to every member)
-        assert loaded and sorted(set(loaded)) == list(range(loaded[0], max(loaded) + 1)), (gid, loaded)
+        assert loaded, gid
+        missing = set(range(loaded[0], max(loaded) + 1)) - set(loaded)
+        assert missing <= lost, (gid, loaded, failed)
         assert max(loaded) >= num_steps - 1, (gid, loaded)
     log = procs.log("learner")
     member_lists = re.findall(r"weight group epoch=\d+ members=(\[.*?\])", log)
