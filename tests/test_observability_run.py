@@ -137,8 +137,7 @@ def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, 
         # still show an earlier count: wait for the sample that has a batch in it.
         def buffer_stored_a_batch():
             fams = _scrape(urls["buffer"])
-            family = fams.get("asyncrl_buffer_groups")
-            groups = [s.value for s in family.samples if s.name.endswith("_total")] if family else []
+            groups = [s.value for s in fams["asyncrl_buffer_groups"].samples if s.name.endswith("_total")]
             return fams if groups and groups[0] >= 8 else None
 
         buffer = _wait(buffer_stored_a_batch, 60, "the buffer's /metrics to count a batch of groups", proc, log)
