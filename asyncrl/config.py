@@ -356,6 +356,9 @@ class AlgorithmConfig(Section):
     """Rollout correction (asyncrl/algorithms/rollout_correction.py): reject tokens / sequences by their pi_prox / mu,
     e.g. rollout_rs=[token_k1,seq_mean_k3] rollout_rs_threshold=[2.0,0.01] (one threshold, or one each)."""
     rollout_rs_threshold: list[float] = Field(default_factory=lambda: [2.0])
+    rollout_rs_lower: list[float] = Field(default_factory=list)
+    """*_k1 criteria: the ratio's lower bound (one, or one per criterion; 0 for a criterion keeps 1/t),
+    for asymmetric bounds [lower, t]; empty: [1/t, t]."""
     is_normalize: bool = False
     """divide the loss's behaviour IS weights by their batch mean (mean 1)"""
     otb_is_weights: bool = False
@@ -376,6 +379,12 @@ class AlgorithmConfig(Section):
     """loss=kl_cov: weight of |log r| on the picked tokens"""
     dppo_ratio_cap: Annotated[float, Field(ge=1)] = 20.0
     """loss=dppo_*: C in sg(min(r, C)); the masks use clip_low/high"""
+    dro_beta: Annotated[float, NonNegative] = 0.1
+    """loss=dro: weight of the (log pi - log mu)^2 leash"""
+    pf_ppo: Literal["none", "pow", "max_min", "max_random"] = "none"
+    """PF-PPO reweighting of each sample's advantage by its reward (pow: |r|^pf_ppo_pow; max_min: only the
+    batch's best and worst; max_random: best 0.4, others 0.1), normalised to mean 1 over the step's samples"""
+    pf_ppo_pow: Annotated[float, NonNegative] = 2.0
 
     def config_errors(self) -> list[str]:
         """Cross-field mistakes within the algorithm section, one message each."""
@@ -393,21 +402,53 @@ class AlgorithmConfig(Section):
                               f"> 1, got {t}")
             elif t <= 0:
                 errors.append(f"algorithm.rollout_rs_threshold for {name} must be > 0, got {t}")
-        if self.is_normalize and not registry.POLICY_LOSSES.static_meta(self.loss).get("is_weight"):
-            with_w = [n for n in registry.POLICY_LOSSES.names() if registry.POLICY_LOSSES.static_meta(n).get("is_weight")]
+        errors += self._lower_bound_errors()
+        correction = registry.POLICY_LOSSES.static_meta(self.loss).get("correction")
+        if self.max_staleness > 0 and correction not in registry.CORRECTIONS:
+            errors.append(f"algorithm.loss={self.loss} does not correct for stale samples (no behaviour "
+                          f"correction): set algorithm.max_staleness=0 or use one of {_corrected_losses()}")
+        with_w = [n for n in registry.POLICY_LOSSES.names()
+                  if registry.POLICY_LOSSES.static_meta(n).get("correction") in registry.IS_WEIGHT_CORRECTIONS]
+        if self.is_normalize and correction not in registry.IS_WEIGHT_CORRECTIONS:
             errors.append(f"algorithm.is_normalize=true rescales a behaviour IS weight, which algorithm.loss={self.loss} "
                           f"does not have: use one of {with_w} or set algorithm.is_normalize=false")
         if self.otb_is_weights and not registry.ADVANTAGES.static_meta(self.advantage).get("needs_sum_pi2"):
             errors.append(f"algorithm.otb_is_weights=true weights the optimal token baseline, which "
                           f"algorithm.advantage={self.advantage} is not: set algorithm.advantage=optimal_token_baseline "
                           "or algorithm.otb_is_weights=false")
-        if self.otb_is_weights and not registry.POLICY_LOSSES.static_meta(self.loss).get("is_weight"):
-            with_w = [n for n in registry.POLICY_LOSSES.names() if registry.POLICY_LOSSES.static_meta(n).get("is_weight")]
+        if self.otb_is_weights and correction not in registry.IS_WEIGHT_CORRECTIONS:
             errors.append(f"algorithm.otb_is_weights=true takes the loss's behaviour IS weight, which algorithm.loss="
                           f"{self.loss} does not have: use one of {with_w} or set algorithm.otb_is_weights=false")
         if self.cov_lb >= self.cov_ub:
             errors.append(f"algorithm.cov_lb ({self.cov_lb}) must be < algorithm.cov_ub ({self.cov_ub})")
         return errors
+
+    def _lower_bound_errors(self) -> list[str]:
+        """algorithm.rollout_rs_lower: one bound or one per criterion, each in (0, t) for a *_k1
+        criterion (0: the symmetric 1/t), and only where a *_k1 criterion reads it."""
+        lows, n_rs = self.rollout_rs_lower, len(self.rollout_rs)
+        if not lows:
+            return []
+        if not any(name.endswith("k1") for name in self.rollout_rs):
+            return [f"algorithm.rollout_rs_lower bounds the ratio of a *_k1 rejection criterion, and "
+                    f"algorithm.rollout_rs={self.rollout_rs} has none: add one or set algorithm.rollout_rs_lower=[]"]
+        if len(lows) not in (1, n_rs):
+            return [f"algorithm.rollout_rs_lower must hold one bound or one per algorithm.rollout_rs criterion "
+                    f"({n_rs}), got {len(lows)}"]
+        ts = self.rollout_rs_threshold * n_rs if len(self.rollout_rs_threshold) == 1 else self.rollout_rs_threshold
+        errors = []
+        for name, low, t in zip(self.rollout_rs, lows * n_rs if len(lows) == 1 else lows, ts, strict=False):
+            if name.endswith("k1") and low != 0 and not 0 < low < t:
+                errors.append(f"algorithm.rollout_rs_lower for {name} must be in (0, {t}) (the upper bound "
+                              f"algorithm.rollout_rs_threshold), or 0 for 1/{t}; got {low}")
+        return errors
+
+
+def _corrected_losses() -> list[str]:
+    from asyncrl import registry
+
+    return [n for n in registry.POLICY_LOSSES.names()
+            if registry.POLICY_LOSSES.static_meta(n).get("correction") in registry.CORRECTIONS]
 
 
 class WeightsConfig(Section):
@@ -427,6 +468,15 @@ class WeightsConfig(Section):
     """auto: gloo without CUDA; on CUDA ipc when every generator runs on the learner's node, nccl
     otherwise. ipc: CUDA IPC handles of the learner's bucket buffer for generators on its node (one
     GPU shared by both included): no copy through the host. gloo on CUDA goes through host memory."""
+    load: Literal["auto", "direct", "reload"] = "auto"
+    """How a generator puts a version into vLLM. direct: one copy per tensor into the model's parameters
+    (stacked qkv/gate_up filled from their parts, the tied head re-tied; generators/direct_load.py),
+    for dense unquantized models without tensor parallelism; reload: vLLM's generic in-place reload;
+    auto: the first version by reload, checked against the direct plan, then direct if they agree."""
+    overlap: bool = True
+    """With algorithm.max_staleness >= 1 (run.mode=async) the learner starts its next step while the
+    generators receive and load the version it just pushed (a second snapshot buffer; a buffer is
+    written again only once every member has it). false: every push is waited for."""
     checksum: Literal["auto", "full", "sampled"] = "auto"
     """Per-bucket checksums both ends compare after every sync. full: every byte; sampled: one word per
     4 KiB of each one-tensor bucket of 1 MiB or more, the rest in full (catches lost, stale, shifted

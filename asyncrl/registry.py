@@ -86,6 +86,19 @@ class Registry:
         return found
 
 
+# How a policy loss corrects for the lag between the behaviour policy mu (the generator's weights, up
+# to algorithm.max_staleness versions old) and pi_prox: every entry of POLICY_LOSSES declares one as
+# `correction=`; a loss without one is refused with algorithm.max_staleness > 0.
+CORRECTIONS = {
+    "behaviour_weight": "x min(pi_prox/mu, is_cap) at pi_prox (is_level=sequence: of the whole sequence's product)",
+    "seq_geo_weight": "x min(geometric mean over the sequence of pi_prox/mu, is_cap): the form of its sequence ratio",
+    "masked_weight": "x pi_prox/mu at pi_prox, 0 outside [mis_low, mis_high]",
+    "ratio_vs_behaviour": "its own ratio is taken against mu",
+    "quadratic_leash": "its penalty (log pi - log mu)^2 is taken against mu",
+}
+# The corrections that are a behaviour IS weight (what algorithm.is_normalize and otb_is_weights take).
+IS_WEIGHT_CORRECTIONS = ("behaviour_weight", "seq_geo_weight", "masked_weight")
+
 ADVANTAGES = Registry("ADVANTAGES", "algorithm.advantage", "asyncrl.algorithms.advantages", "Advantage estimators")
 POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.loss", "asyncrl.algorithms.losses", "Policy losses")
 KL_ESTIMATORS = Registry("KL_ESTIMATORS", "algorithm.kl_estimator", "asyncrl.algorithms.kl", "KL estimators")
@@ -106,8 +119,14 @@ def docs_tables() -> str:
     """The markdown tables of every family, as docs/algorithms.md holds them."""
     out = [DOCS_BEGIN, ""]
     for reg in FAMILIES:
-        out += [f"### {reg.title} (`{reg.key}`)", "", "| value | what it is for | reference |", "|---|---|---|"]
-        out += [f"| `{e.name}` | {_cell(e.summary)} | {_cell(e.ref)} |" for e in reg.entries().values()]
+        out += [f"### {reg.title} (`{reg.key}`)", ""]
+        if reg is POLICY_LOSSES:
+            out += ["| value | what it is for | off-policy correction | reference |", "|---|---|---|---|"]
+            out += [f"| `{e.name}` | {_cell(e.summary)} | {_cell(CORRECTIONS[e.meta['correction']])} | {_cell(e.ref)} |"
+                    for e in reg.entries().values()]
+        else:
+            out += ["| value | what it is for | reference |", "|---|---|---|"]
+            out += [f"| `{e.name}` | {_cell(e.summary)} | {_cell(e.ref)} |" for e in reg.entries().values()]
         out.append("")
     out.append(DOCS_END)
     return "\n".join(out)

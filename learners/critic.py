@@ -97,10 +97,14 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
 
 def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan,
                   old_values_N: torch.Tensor, returns_N: torch.Tensor, cfg: Config, rank: int = 0, world: int = 1,
-                  pad_id: int = 0, scheduler=None) -> dict[str, float]:
+                  pad_id: int = 0, scheduler=None, keep_N: torch.Tensor | None = None) -> dict[str, float]:
     """The PPO clipped value loss over the same mini- and micro-batches as the policy (`plan`), one
     optimizer step per mini-batch, aggregated by algorithm.critic_aggregation (default the token
     mean) and normalised over each whole mini-batch (as in `policy_update`).
+
+    `keep_N` (the step's `Targets.keep_N`, algorithm.rollout_rs): the tokens rejection sampling kept.
+    Rejected tokens leave the value loss and its token / sequence counts as they leave the policy
+    loss: a token whose pi_prox / mu is out of bounds fits the value to a return it would not earn.
 
     Stats: this rank's part of the mean mini-batch value loss of the first epoch (the critic as it
     scored the batch on a first update; the ranks' parts add up to it), the fraction of this rank's
@@ -112,6 +116,11 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
     alg, lc = cfg.algorithm, cfg.learner
     clip = alg.value_clip or float("inf")  # 0: off
     norm_tokens = alg.loss_norm_tokens or cfg.generator.max_tokens
+    from learners.step import kept_counts
+
+    kept_S = None
+    if keep_N is not None:
+        kept_S = torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N, keep_N.float())
     critic.train()
     parts, grad_norm = [], None
     wins_sum = torch.zeros((), device=step.device)
@@ -119,21 +128,23 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
     for epoch, minibatches in enumerate(plan.epochs):
         for mbatch in minibatches:
             part = torch.zeros((), device=step.device)
+            num_tokens, num_seqs = kept_counts(step, mbatch, kept_S)
             for seqs in mbatch.micro[rank]:
                 mb = micro_batch(step, seqs, lc.packing, pad_id)
                 v = mb.grid(micro_values(critic, mb))
                 old, ret, mask = mb.grid(old_values_N[mb.flat_N]), mb.grid(returns_N[mb.flat_N]), mb.mask_bT
+                if keep_N is not None:
+                    mask = mask * mb.grid(keep_N.index_select(0, mb.flat_N)).to(mask.dtype)
                 clipped = old + (v - old).clamp(-clip, clip)
                 err = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
-                loss = aggregate_normalised(err, mask, alg.critic_aggregation, mbatch.num_tokens, mbatch.num_seqs,
-                                            norm_tokens)
+                loss = aggregate_normalised(err, mask, alg.critic_aggregation, num_tokens, num_seqs, norm_tokens)
                 (loss * world).backward()
                 part += loss.detach()
                 if epoch == 0 and mb.num_tokens:
                     with torch.no_grad():
                         wins = ((clipped.detach() - ret) ** 2 > (v.detach() - ret) ** 2) & mask.bool()
                         wins_sum = wins_sum + wins.sum()
-                        n_tok += mb.num_tokens
+                        n_tok += int(mask.sum())
             norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), lc.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -117,15 +117,20 @@ class Targets:
 
 def rollout_correction(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConfig) -> tuple:
     """(keep_N or None, is_scale or None, stats): rejection sampling by pi_prox / mu and the batch
-    mean of the loss's IS weight over the kept tokens (asyncrl/algorithms/rollout_correction.py)."""
+    mean of the loss's IS weight over the kept tokens (asyncrl/algorithms/rollout_correction.py).
+    The weight itself is that of every response token (a sequence weight is the product over the
+    whole sequence, before rejection), as the loss computes it; only its mean is over the kept ones."""
     mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
     prox_ST, behav_ST = step.grid(prox_N), step.grid(step.behav_N.float())
     keep_ST, stats = mask_ST, {}
     if alg.rollout_rs:
-        keep_ST, stats = rc.rejection_mask(prox_ST - behav_ST, mask_ST, alg.rollout_rs, alg.rollout_rs_threshold)
+        keep_ST, stats = rc.rejection_mask(prox_ST - behav_ST, mask_ST, alg.rollout_rs, alg.rollout_rs_threshold,
+                                           alg.rollout_rs_lower)
     scale = None
     if alg.is_normalize:
-        w_ST, level = losses.is_weight_at_prox(alg, prox_ST, behav_ST, keep_ST)
+        # At pi_prox, fixed for the step, as the loss's behaviour weight is: the normaliser and the
+        # weights it divides stay at the same policy through every mini-batch.
+        w_ST, level = losses.is_weight_at_prox(alg, prox_ST, behav_ST, mask_ST)
         scale = rc.batch_mean_weight(w_ST, keep_ST, level)
         stats["is_norm_factor"] = scale
     return (step.flat(keep_ST) if alg.rollout_rs else None), scale, stats
@@ -180,7 +185,16 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
                                 baselines_G=step.baselines_G,
                                 is_weights_BT=otb_is_weights(step, prox, alg) if alg.otb_is_weights else None)
     adv_ST, returns_ST = adv_fns.estimate(x)
+    if alg.pf_ppo != "none":
+        adv_ST = adv_ST * adv_fns.pf_ppo_weights(step.rewards_S.to(adv_ST.dtype), alg.pf_ppo, alg.pf_ppo_pow)[:, None]
     keep, scale, stats = rollout_correction(step, prox, alg) if (alg.rollout_rs or alg.is_normalize) else (None, None, {})
+    if ref_N is not None and prox is not None:
+        # The adaptive KL controller's statistic, KL(pi_prox || pi_ref) over the tokens the loss
+        # trains, measured at pi_prox (as verl measures it at the old policy), not after earlier
+        # mini-batches' updates. With one update per step the learner's first pass measures the same.
+        kept_ST = mask_ST if keep is None else step.grid(keep)
+        kl_at_prox_ST = step.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator))
+        stats["kl"] = (kl_at_prox_ST * kept_ST).sum() / kept_ST.sum().clamp(min=1)
     return Targets(step.flat(adv_ST), prox, ref_N, step.flat(returns_ST) if returns_ST is not None else None,
                    values_N if critic else None, keep, scale, stats)
 
@@ -297,7 +311,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
                 mask = valid if targets.keep_N is None else valid * pick(targets.keep_N)
                 # With a single update per step the proximal policy is the current one, exactly.
                 prox = logp.detach() if targets.prox_N is None else pick(targets.prox_N)
-                loss_bT, st = losses.policy_loss(losses.LossInputs(logp, prox, behav, adv, mask, alg))
+                loss_bT, st = losses.policy_loss(losses.LossInputs(logp, prox, behav, adv, mask, alg, valid))
                 if targets.is_scale is not None:
                     loss_bT = loss_bT / targets.is_scale
                 loss = agg(loss_bT, mask)
@@ -339,7 +353,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     st.setdefault("ratio_mean", 1.0)
     st.setdefault("ratio_max", 1.0)
     st["clip_frac"] = st.get("clip_frac", st.get("clip_frac_low", 0.0) + st.get("clip_frac_high", 0.0))
-    st.update(targets.stats)  # whole-step values, the same on every rank
+    st.update(targets.stats)  # whole-step values, the same on every rank (`kl` at pi_prox included)
     grad_norm = grad_norms[0]
     st.update(loss=torch.stack(loss_parts).mean(), grad_norm=grad_norm.full_tensor()
               if hasattr(grad_norm, "full_tensor") else grad_norm)

@@ -371,4 +371,4 @@ def test_batch_mean_weight_token_and_sequence():
     scale = RC.batch_mean_weight(wt, torch.ones(1, 3, dtype=F64), level)
     assert (wt / scale).mean().item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="algorithm.is_normalize needs a loss with a behaviour IS weight"):
-        L.is_weight_at_prox(AlgorithmConfig(loss="gspo"), prox, behav, torch.ones(1, 3))
+        L.is_weight_at_prox(AlgorithmConfig(loss="cispo"), prox, behav, torch.ones(1, 3))

@@ -179,6 +179,68 @@ def optimal_token_baseline(scores_B: torch.Tensor, mask_BT: torch.Tensor, logp_B
     return ((ret_GNT - baseline_GT[:, None, :]) * m_GNT).view(G * N, T)
 
 
+def tir_optimal_token_baseline(scores_B: torch.Tensor, mask_BT: torch.Tensor, logp_BT: torch.Tensor,
+                               sum_pi2_BT: torch.Tensor, group_size: int, kl_BT: torch.Tensor | None = None,
+                               eps: float = 1e-8, is_weights_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """The optimal token baseline for tool-integrated rollouts, whose loss mask has holes (tool
+    output inside a completion is not the model's and is masked out): samples are aligned by the
+    index of the model's own token (its k-th generated token), not by the position in the row, so
+    B_k averages the group's returns at their k-th token. Each row's valid tokens are packed to the
+    left, `optimal_token_baseline` runs on the packed rows, and the advantages go back to their
+    positions. Without holes it is `optimal_token_baseline` exactly."""
+    m = mask_BT.bool()
+    B, T = mask_BT.shape
+    k_BT = (m.cumsum(dim=1) - 1).clamp(min=0)  # each valid token's index among its row's valid tokens
+    width = int(m.sum(dim=1).max()) if B else 0
+
+    def pack(x_BT):
+        out = x_BT.new_zeros(B, width)
+        rows = torch.arange(B, device=x_BT.device)[:, None].expand(B, T)
+        out[rows[m], k_BT[m]] = x_BT[m]
+        return out
+
+    packed_mask = (torch.arange(width, device=mask_BT.device)[None, :] < m.sum(dim=1, keepdim=True)).to(mask_BT.dtype)
+    adv = optimal_token_baseline(scores_B, packed_mask, pack(logp_BT), pack(sum_pi2_BT), group_size,
+                                 None if kl_BT is None else pack(kl_BT), eps,
+                                 None if is_weights_BT is None else pack(is_weights_BT))
+    out = torch.zeros(B, T, dtype=adv.dtype, device=adv.device)
+    rows = torch.arange(B, device=adv.device)[:, None].expand(B, T)
+    out[m] = adv[rows[m], k_BT[m]]
+    return out
+
+
+def gdpo(rewards_GNK: torch.Tensor, weights_K: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """GDPO: each reward component k normalised within its group, (r_k - mean_g r_k) / (std_g r_k + eps),
+    then summed (weighted by `weights_K`), then the sums whitened over the batch's samples, so one
+    component's scale or variance cannot drown the others' (summing first, as GRPO on a summed
+    reward does, collapses distinct reward combinations onto one advantage). [G, N] out."""
+    r = rewards_GNK.to(torch.float64)
+    per_k = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps) if r.shape[1] > 1 else r * 0
+    w = torch.ones(r.shape[-1], dtype=r.dtype, device=r.device) if weights_K is None else weights_K.to(r.dtype)
+    summed = (per_k * w).sum(dim=-1)
+    if summed.numel() < 2:
+        return summed.to(rewards_GNK.dtype)
+    return ((summed - summed.mean()) / (summed.std() + eps)).to(rewards_GNK.dtype)
+
+
+def pf_ppo_weights(scores_B: torch.Tensor, method: str, power: float = 2.0) -> torch.Tensor:
+    """PF-PPO's per-sample weights from the reward, normalised to mean 1 over the batch: `pow`
+    |r|^power, `max_min` 1 for the batch's best and worst reward and 0 otherwise, `max_random` 0.4
+    for the best and 0.1 otherwise. PF-PPO resamples the batch with these probabilities; scaling each
+    sample's advantage by its weight over the mean is the same policy gradient in expectation,
+    without dropping or repeating samples."""
+    if method == "pow":
+        w = scores_B.abs() ** power
+    elif method == "max_min":
+        w = ((scores_B == scores_B.max()) | (scores_B == scores_B.min())).to(scores_B.dtype)
+    elif method == "max_random":
+        w = torch.where(scores_B == scores_B.max(), 0.4, 0.1).to(scores_B.dtype)
+    else:
+        raise ValueError(f"algorithm.pf_ppo: {method!r} is not one of ['pow', 'max_min', 'max_random']")
+    w = w + 1e-8  # all-zero weights (every reward 0 under pow) leave the batch unweighted
+    return w / w.mean()
+
+
 def remax(scores_B: torch.Tensor, baselines_B: torch.Tensor, mask_BT: torch.Tensor,
           kl_BT: torch.Tensor | None = None) -> torch.Tensor:
     """ReMax: each token's return to go (the outcome reward minus the KL penalties from t on) minus
@@ -278,6 +340,22 @@ def _optimal_token_baseline(x: AdvantageInputs):
     group_size = x.scores_GN.shape[1]
     return optimal_token_baseline(x.scores_GN.reshape(-1), x.mask_BT, x.logp_BT, x.sum_pi2_BT, group_size,
                                   x.kl_BT, is_weights_BT=x.is_weights_BT), None
+
+
+@ADVANTAGES.register("tir_optimal_token_baseline", ref="Optimal Token Baseline (arXiv:2602.07078); verl "
+                     "tir_optimal_token_baseline", needs_sum_pi2=True)
+def _tir_optimal_token_baseline(x: AdvantageInputs):
+    """The optimal token baseline aligned by the model's own token index, for masks with tool-output holes."""
+    assert x.logp_BT is not None and x.sum_pi2_BT is not None, "tir_optimal_token_baseline needs log pi and sum pi^2"
+    group_size = x.scores_GN.shape[1]
+    return tir_optimal_token_baseline(x.scores_GN.reshape(-1), x.mask_BT, x.logp_BT, x.sum_pi2_BT, group_size,
+                                      x.kl_BT, is_weights_BT=x.is_weights_BT), None
+
+
+@ADVANTAGES.register("gdpo", ref="GDPO (arXiv:2601.05242)")
+def _gdpo(x: AdvantageInputs):
+    """Group-normalised per reward component, summed, whitened over the batch (one component: the scalar reward)."""
+    return x.per_token(gdpo(x.outcome_GN()[..., None])), None
 
 
 @ADVANTAGES.register("remax", ref="ReMax (arXiv:2310.10505); verl remax", greedy_baseline=True)
