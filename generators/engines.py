@@ -35,6 +35,7 @@ class WeightUpdateStats(TypedDict, total=False):
     handle_s: float  # ipc, within receive_s: waiting for the learner's buffer handle (and opening it)
     checksum_s: float  # ipc, within receive_s: the checksums of the learner's buffer on the device
     finish_s: float  # ipc, within receive_s: the device finishing its reads, and the confirmation
+    load_path: str  # vLLM: "direct" (one copy per tensor, generators/direct_load.py) or "reload"
 
 
 @runtime_checkable

@@ -213,9 +213,10 @@ class Generator:
         await notify.publish(self.redis, self.keys, "fleet")  # the buffer's admission counts from it
         ipc = (f"; ipc handle {stats['handle_s']:.3f}s, checksums {stats['checksum_s']:.3f}s, "
                f"confirm {stats['finish_s']:.3f}s" if stats.get("handle_s") else "")
-        log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs%s; transfer before it "
-                 "%.3fs; wake %.3fs)", self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0),
-                 stats.get("load_s", stats.get("receive_s", 0.0)), ipc, stats.get("stage_s", 0.0),
+        log.info("generator %s now at version %d (pause %.3fs: to pause %.3fs, load %.3fs by %s%s; transfer before "
+                 "it %.3fs; wake %.3fs)", self.id, self.version, stats["pause_s"], stats.get("wait_s", 0.0),
+                 stats.get("load_s", stats.get("receive_s", 0.0)), stats.get("load_path", "reload"), ipc,
+                 stats.get("stage_s", 0.0),
                  stats.get("wake_s", 0.0))
         return ident
 

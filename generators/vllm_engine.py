@@ -353,10 +353,12 @@ class VllmEngine:
             try:
                 if staged:
                     # Staging has finished or used up its timeout: a short wait while paused, not another timeout.
-                    results = await self.engine.collective_rpc("asyncrl_load_staged", args=(STAGED_JOIN_S,))
+                    results = await self.engine.collective_rpc("asyncrl_load_staged",
+                                                               args=(STAGED_JOIN_S, self.cfg.weights.load))
                 else:
                     results = await self.engine.collective_rpc(
-                        "asyncrl_receive", args=(announcement_frame, timeout_s, self.cfg.weights.atomic))
+                        "asyncrl_receive", args=(announcement_frame, timeout_s, self.cfg.weights.atomic,
+                                                 self.cfg.weights.load))
                 errors = [r["error"] for r in results if r.get("error")]
                 if errors:  # nothing was loaded: the engine keeps its previous weights and version
                     raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
@@ -371,6 +373,7 @@ class VllmEngine:
         return {"pause_s": t1 - t0, "wait_s": t_paused - t0, "receive_s": max(r["seconds"] for r in results),
                 "load_s": max(r.get("load_s", r["seconds"]) for r in results), "stage_s": t0 - t_stage,
                 "checksums": results[0]["checksums"], "wake_s": wake_s,
+                "load_path": results[0].get("load_path", "reload"),
                 **{k: max(r.get(k, 0.0) for r in results) for k in ("handle_s", "checksum_s", "finish_s")}}
 
     def shutdown(self) -> None:

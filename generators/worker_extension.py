@@ -1,9 +1,12 @@
 """Mixed into every vLLM worker through `worker_extension_cls`; called by `collective_rpc`.
 
-Receives weights over the project's weight group and loads them with vLLM's in-place reload path
-(`reload_weights(..., is_checkpoint_format=True)` inside `set_current_vllm_config`), which copes with
-kernel-format layouts where a plain `load_weights` does not. Method names are prefixed: vLLM asserts
-that an extension never shadows a worker attribute.
+Receives weights over the project's weight group and loads them (`weights.load`): `direct`, one copy
+per tensor into the model's parameters (generators/direct_load.py), where the model's layout allows
+it; otherwise vLLM's in-place reload path (`reload_weights(..., is_checkpoint_format=True)` inside
+`set_current_vllm_config`), which copes with any layout. Under `auto` the first version is loaded by
+the reload path and the direct plan is checked against what it loaded; later versions go direct
+only if every tensor matched. Method names are prefixed: vLLM asserts that an extension never
+shadows a worker attribute.
 
 Staged updates (gloo, weights.atomic): `asyncrl_stage` receives every bucket into host memory on a
 thread of the worker while the engine goes on generating; `asyncrl_staged` says whether that thread
@@ -16,6 +19,7 @@ from it directly (device to device), then confirms; nothing is staged.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -23,6 +27,9 @@ import torch
 
 from asyncrl.protocol import schema
 from asyncrl.protocol.weight_sync import WeightReceiver
+from generators.direct_load import DirectLoader, Unsupported
+
+log = logging.getLogger(__name__)
 
 
 class AsyncRLWorkerExtension:
@@ -43,7 +50,7 @@ class AsyncRLWorkerExtension:
             return False
         ann = schema.decode(announcement_frame, schema.WeightAnnouncement)
         receiver: WeightReceiver = self._asyncrl_receiver
-        staged: dict = {"t0": time.perf_counter()}
+        staged: dict = {"t0": time.perf_counter(), "ann": ann}
         pg = receiver.pg
 
         def run():
@@ -70,12 +77,61 @@ class AsyncRLWorkerExtension:
         done = not staged["thread"].is_alive()
         return {"done": done, "error": staged.get("error") if done else None}
 
-    def _asyncrl_load(self, weights) -> None:
+    def _asyncrl_load(self, weights, ann, how: str = "auto") -> str:
+        """Loads one version (`how`: weights.load); returns the path it took, `direct` or `reload`."""
+        direct = self._asyncrl_direct(ann, how)
+        if direct is not None and (how == "direct" or self._asyncrl_direct_state[1]):
+            direct.load(weights)
+            self._asyncrl_retie()
+            return "direct"
+        if direct is not None:
+            weights = list(weights)  # read again below, to check the plan against the reload
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         self._asyncrl_retie()
+        if direct is not None:
+            bad = direct.mismatches(weights)
+            self._asyncrl_direct_state = (direct, not bad)
+            if bad:
+                log.warning("weights.load=auto: the direct plan disagrees with vLLM's reload on %d tensors (%s); "
+                            "loading by reload from now on", len(bad), ", ".join(bad[:3]))
+            else:
+                log.info("weights.load=auto: the direct plan matches vLLM's reload on all %d tensors; loading "
+                         "direct from the next version on", len(direct.views))
+        return "reload"
+
+    def _asyncrl_direct(self, ann, how: str) -> DirectLoader | None:
+        """The direct plan for this announcement's layout (built once per layout), or None: reload.
+        `_asyncrl_direct_state` is (plan or None, checked against a reload)."""
+        if how == "reload":
+            return None
+        layout = tuple((m.name, tuple(m.shape), m.dtype) for b in ann.buckets for m in b.tensors)
+        if getattr(self, "_asyncrl_direct_layout", None) != layout:
+            self._asyncrl_direct_layout, plan = layout, None
+            try:
+                plan = self._asyncrl_plan([m for b in ann.buckets for m in b.tensors])
+            except Unsupported as e:
+                if how == "direct":
+                    raise RuntimeError(f"weights.load=direct: {e}") from e
+                log.info("weights.load=auto: vLLM's reload path (%s)", e)
+            self._asyncrl_direct_state = (plan, False)
+        return self._asyncrl_direct_state[0]
+
+    def _asyncrl_plan(self, metas) -> DirectLoader:
+        from vllm.platforms import current_platform
+
+        cfg = self.vllm_config
+        if cfg.model_config.quantization is not None:
+            raise Unsupported(f"quantization {cfg.model_config.quantization}")
+        if cfg.parallel_config.tensor_parallel_size > 1 or cfg.parallel_config.pipeline_parallel_size > 1:
+            raise Unsupported("tensor or pipeline parallelism")
+        hf = cfg.model_config.hf_config
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        model = self.model_runner.get_model() if hasattr(self.model_runner, "get_model") else self.model_runner.model
+        return DirectLoader(model, metas, tied=bool(getattr(text, "tie_word_embeddings", False)),
+                            post_process=not current_platform.is_cuda_alike(), dtype=cfg.model_config.dtype)
 
     def _asyncrl_retie(self) -> None:
         """A tied output head (`tie_word_embeddings`: SmolLM2, Qwen2.5-0.5B) takes the embedding again.
@@ -103,7 +159,7 @@ class AsyncRLWorkerExtension:
         if (method := getattr(head, "quant_method", None)) is not None:
             method.process_weights_after_loading(head)
 
-    def asyncrl_load_staged(self, timeout_s: float) -> dict:
+    def asyncrl_load_staged(self, timeout_s: float, how: str = "auto") -> dict:
         """Loads what `asyncrl_stage` received (waiting for it up to `timeout_s`)."""
         staged, self._asyncrl_staged = getattr(self, "_asyncrl_staged", None), None
         if staged is None:
@@ -115,16 +171,18 @@ class AsyncRLWorkerExtension:
         if "error" in staged:
             return {"error": staged["error"], "checksums": [], "seconds": staged["seconds"]}
         t0 = time.perf_counter()
-        self._asyncrl_load(iter(staged["weights"]))
-        return {"checksums": staged["checksums"], "seconds": staged["seconds"], "load_s": time.perf_counter() - t0}
+        path = self._asyncrl_load(iter(staged["weights"]), staged["ann"], how)
+        return {"checksums": staged["checksums"], "seconds": staged["seconds"], "load_s": time.perf_counter() - t0,
+                "load_path": path}
 
-    def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float, atomic: bool = True) -> dict:
+    def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float, atomic: bool = True,
+                        how: str = "auto") -> dict:
         ann = schema.decode(announcement_frame, schema.WeightAnnouncement)
         receiver: WeightReceiver = self._asyncrl_receiver
         t0 = time.perf_counter()
         weights = receiver.receive(ann, torch.device(self.device), timeout_s)
         if receiver.backend == "ipc":
-            return self._asyncrl_load_ipc(receiver, ann, weights, t0)
+            return self._asyncrl_load_ipc(receiver, ann, weights, t0, how)
         if atomic:
             # Receive every bucket before touching the model: a broadcast that fails part-way (a peer
             # died) then leaves the engine on its old, consistent weights instead of a half-loaded
@@ -136,18 +194,18 @@ class AsyncRLWorkerExtension:
                 receiver.pg = None
                 return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
         try:
-            self._asyncrl_load(weights)
+            path = self._asyncrl_load(weights, ann, how)
         finally:
             for _ in weights:  # every bucket must be received, or the learner's broadcast would wait
                 pass
-        return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0}
+        return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0, "load_path": path}
 
-    def _asyncrl_load_ipc(self, receiver: WeightReceiver, ann, weights, t0: float) -> dict:
+    def _asyncrl_load_ipc(self, receiver: WeightReceiver, ann, weights, t0: float, how: str) -> dict:
         """ipc: the whole version already sits in the learner's GPU memory, so loading straight from it
         is atomic by itself (a failed read leaves nothing half-received); the learner is told when the
         load is done (or failed), and only then writes its buffer again."""
         try:
-            self._asyncrl_load(weights)
+            path = self._asyncrl_load(weights, ann, how)
         except Exception as e:  # noqa: BLE001 - reported to the learner and to the generator process
             receiver.finish(ann, error=f"{type(e).__name__}: {e}")
             return {"error": f"{type(e).__name__}: {e}", "checksums": [], "seconds": time.perf_counter() - t0}
@@ -155,4 +213,4 @@ class AsyncRLWorkerExtension:
         receiver.finish(ann)
         return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0,
                 "same_gpu": receiver.shares_device, "handle_s": receiver.handle_s,
-                "checksum_s": receiver.checksum_s, "finish_s": time.perf_counter() - t_loaded}
+                "checksum_s": receiver.checksum_s, "finish_s": time.perf_counter() - t_loaded, "load_path": path}

@@ -22,7 +22,6 @@ from asyncrl.protocol import schema
 from asyncrl.protocol.keys import LEARNER_GROUP, Keys, connect, log_event
 from asyncrl.protocol.store import ack_dropped, ensure_groups, group_lag, set_and_notify
 from asyncrl.protocol.weight_sync import (
-    SyncTimeout,
     WeightSender,
     checksum_mode,
     choose_backend,
@@ -279,6 +278,13 @@ class Learner:
         self.t_start = time.monotonic()
         self.last_fleet_check = 0.0
         self.sync_s = 0.0
+        from learners.push import PushQueue
+
+        self.pushes = PushQueue()
+        # The next step starts while generators load the last push: only where a lag of one version is allowed.
+        self.overlap = cfg.weights.overlap and cfg.run.mode == "async" and cfg.algorithm.max_staleness >= 1
+        self.push_wait_s = self.data_wait_s = 0.0  # this step's: waiting for the previous push, for data
+        self.last_push = None
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         from asyncrl.observe.metrics import LearnerObservability
@@ -385,6 +391,7 @@ class Learner:
                 self.batch_groups = [g for _, g in batch]
                 return TRAIN, msgspec.msgpack.encode([schema.encode(g) for g in self.batch_groups])
             self.idle_s += time.monotonic() - t0
+            self.data_wait_s += time.monotonic() - t0
             if time.monotonic() - self.last_fleet_check > 1.0:
                 self.last_fleet_check = time.monotonic()
                 if self.fleet_needs_sync():
@@ -405,7 +412,9 @@ class Learner:
                 self.sync_weights()
                 continue
             groups = [schema.decode(f, schema.TrajectoryGroup) for f in msgspec.msgpack.decode(payload)]
+            started_at = time.time()
             stats = self.train_step(groups)  # every rank holds the step; the plan splits it
+            stats["step_started_at"] = started_at
             if self.release_cache:
                 torch.cuda.empty_cache()
             if self.step % 10 == 0:
@@ -418,6 +427,7 @@ class Learner:
             if self.version % self.cfg.weights.sync_every == 0:
                 sync_s = self.sync_weights()
             if self.rank == 0:
+                self._finish_push(block=False)  # a push that finished meanwhile: its checksums for the check
                 fleet = self.read_fleet()  # one snapshot for the weight check and the step's fleet metrics
                 self.verify_fleet_weights(fleet)
                 self.after_step(groups, stats, sync_s, fleet)
@@ -427,6 +437,9 @@ class Learner:
                 self._ack()  # no checkpoints: the step's update is as durable as it gets
             elif self.step % every == 0 or self.step >= self.cfg.run.max_steps:
                 self.save_checkpoint()
+        if self.rank == 0:
+            self._finish_push()
+            self.pushes.close()
         if self.cfg.checkpoint.export_hf:
             from learners.checkpoint import export_hf
 
@@ -587,12 +600,16 @@ class Learner:
         return choose_backend("auto", True, local)
 
     def sync_weights(self) -> float:
-        """Broadcast current weights to the fleet; every learner rank takes part in the gathers."""
+        """Pushes the current weights to the fleet (every learner rank takes part in the gathers) and
+        returns the seconds this held the learner up: gathering and staging the version, and waiting
+        for the previous push. The send itself runs on the push thread (learners/push.py) and is
+        collected at the next push, after a step, or before the fleet changes."""
         t0 = time.perf_counter()
         do_send = torch.tensor([0], dtype=torch.long)
         if self.rank == 0:
             members = self.live_members()
             if set(members) != set(self.sender.members) or self.sender.pg is None:
+                self._finish_push()  # the push in flight belongs to the old group: it ends first
                 # `alive` re-reads the fleet while the epoch's members join
                 self.sender.open_epoch(members, self._publish_epoch, self._event, alive=self.live_members)
             do_send[0] = 1 if self.sender.members else 0
@@ -606,31 +623,53 @@ class Learner:
                 pass
             return time.perf_counter() - t0
         checksum = checksum_mode(self.cfg.weights.checksum, self.sender.backend)
-        ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=self.version,
-                                        epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time(),
-                                        checksum=checksum)
-        # The wake-up lets generators join the broadcast at once instead of at their next poll.
-        set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
         # gloo moves host memory: on CUDA the buckets are packed on the CPU (one copy out of the GPU);
         # NCCL and ipc pack on the GPU.
         send_dev = self.device if self.sender.backend in ("nccl", "ipc") else torch.device("cpu")
         try:
-            self.last_checksums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev),
-                                                        checksum, version=self.version)
-            self.weight_check.sent(self.version, self.last_checksums)
-            self.sync_s = time.perf_counter() - t0
-            self._event("sync", version=self.version, epoch=self.sender.epoch, seconds=f"{self.sync_s:.4f}",
-                        members=len(self.sender.members))
-        except (SyncTimeout, RuntimeError) as e:
-            # A member died mid-sync: finish the all-gathers (other ranks are in them), drop the group;
-            # the next fleet check re-forms it from the live heartbeats.
-            for _ in tensors:
+            staged = self.sender.stage(self.buckets, pack_buckets(self.buckets, tensors, send_dev), checksum,
+                                       slot=self.pushes.next_slot)
+        finally:
+            for _ in tensors:  # every all-gather is joined, whatever happened (other ranks are in them)
                 pass
-            log.error("weight sync of version %d failed: %s; dropping the group", self.version, e)
-            self._event("sync_failed", version=self.version, epoch=self.sender.epoch, error=str(e)[:200])
-            self.sender.drop_group()
+        self._finish_push()  # the previous version's send: every member has it before this one is announced
+        if self.sender.pg is None:  # it failed and the group was dropped: the next fleet check re-forms it
             self.sync_s = time.perf_counter() - t0
+            return self.sync_s
+        ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=self.version,
+                                        epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time(),
+                                        checksum=checksum)
+        self.pushes.submit(self.version, self._send, ann, staged)
+        if not self.overlap:
+            self._finish_push()
+        self.sync_s = time.perf_counter() - t0
         return self.sync_s
+
+    def _send(self, ann: schema.WeightAnnouncement, staged) -> list[int]:
+        """On the push thread: announce (the wake-up lets generators join at once instead of at their
+        next poll), then send."""
+        set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
+        return self.sender.send(self.buckets, staged, ann.version)
+
+    def _finish_push(self, block: bool = True) -> None:
+        """Collects the push in flight (waiting for it when `block`): its checksums go to the weight
+        check; a failure (a member died mid-push, a timeout) drops the group, which the next fleet
+        check re-forms from the live heartbeats."""
+        done = self.pushes.collect(block)
+        if done is None:
+            return
+        self.push_wait_s += done.waited_s
+        self.last_push = done
+        seconds = f"{done.done_at - done.started_at:.4f}"
+        if done.sums is not None:
+            self.last_checksums = done.sums
+            self.weight_check.sent(done.version, done.sums)
+            self._event("sync", version=done.version, epoch=self.sender.epoch, seconds=seconds,
+                        members=len(self.sender.members))
+            return
+        log.error("weight sync of version %d failed: %s; dropping the group", done.version, done.error)
+        self._event("sync_failed", version=done.version, epoch=self.sender.epoch, error=done.error[:200])
+        self.sender.drop_group()
 
     def _publish_epoch(self, info: schema.GroupEpoch) -> None:
         set_and_notify(self.client, self.keys, self.keys.wgroup, schema.encode(info), "weights")
@@ -644,6 +683,7 @@ class Learner:
         so that the final version is verified too: `verify_fleet_weights` runs right after the
         broadcast, before a generator has loaded it and said so in its heartbeat (a 2-step CPU run
         of SmolLM2 verified 2 of its 3 pushes). Returns the last fleet snapshot it read."""
+        self._finish_push()
         check = self.weight_check
         if self.version not in check.synced:
             return fleet  # not pushed (weights.sync_every) or the push failed
@@ -702,7 +742,14 @@ class Learner:
             "generators_in_batch": sorted({g.generator_id for g in groups}),
             **{k: v for k, v in stats.items() if k not in ("tokens",)}, "tokens": stats["tokens"],
             "sample_age_s": time.time() - min(g.created_at for g in groups),
+            # Where the learner's time went since the last row: computing the step, waiting for a batch,
+            # waiting for the previous push (within sync_s, which adds gathering and staging this one).
+            "compute_s": stats["step_s"], "data_wait_s": self.data_wait_s, "push_wait_s": self.push_wait_s,
         }
+        if (push := self.last_push) is not None:  # the last push collected: when it started and was done
+            row.update(push_version=push.version, push_started_at=push.started_at, push_done_at=push.done_at,
+                       push_s=push.done_at - push.started_at)
+        self.data_wait_s = self.push_wait_s = 0.0
         baselines = [g.baseline_reward for g in groups if g.baseline_reward is not None]
         if baselines:  # advantage=remax: the greedy completions' rewards the samples were measured against
             row["baseline_reward_mean"] = sum(baselines) / len(baselines)
@@ -715,6 +762,7 @@ class Learner:
               f"lag={row['lag_mean']:.2f}/{row['lag_max']} dropped_stale={self.dropped_stale} "
               f"dropped_frac={row['dropped_frac']:.3f} "
               f"gen_tok/s={gen_tps:8.1f} learn_tok/s={row['learner_tokens_per_s']:8.1f} "
+              f"compute_s={row['compute_s']:.3f} wait_s={row['data_wait_s']:.3f} "
               f"sync_s={sync_s:.3f} depth={depth} loss={stats['loss']:+.4f}", flush=True)
 
 

@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -293,6 +294,17 @@ def device_checksums(bufs: list[torch.Tensor], buckets: list[Bucket], mode: str)
     return [int(x) & MASK64 for x in torch.stack(sums).tolist()]
 
 
+@dataclass
+class Staged:
+    """A version copied into one of the sender's flat buffers (`WeightSender.stage`)."""
+
+    slot: int
+    flat: torch.Tensor | None
+    views: list[torch.Tensor]  # one per bucket
+    checksum: str  # the announcement's mode
+    sums: list[int] | None  # taken at staging (device buffers), else by the send
+
+
 class WeightSender:
     """Learner rank 0's side: group epochs over a TCPStore and bucketed broadcasts."""
 
@@ -313,7 +325,8 @@ class WeightSender:
         self.members: list[str] = []
         self.pg = None
         self.choose = choose
-        self._flat: torch.Tensor | None = None  # ipc: the flat bucket buffer members read from
+        # Two flat buffers a version is staged in (`stage`): one being sent while the next is written.
+        self._flats: list[torch.Tensor | None] = [None, None]
 
     def open_epoch(self, members: list[str], publish: Callable[[GroupEpoch], None],
                    on_event: Callable[..., None], alive: Callable[[], list[str]] | None = None) -> list[str]:
@@ -398,22 +411,45 @@ class WeightSender:
                version: int) -> list[int]:
         """ipc: copies every bucket into the flat buffer (device to device), hands each member its
         handle and waits until all have confirmed (loaded, or failed)."""
-        pg, members = self.pg, list(self.members)
+        staged = self.stage(buckets, bucket_tensors, checksum)
+        return self.send(buckets, staged, version)
+
+    def stage(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor], checksum: str,
+              slot: int = 0) -> Staged:
+        """Copies every packed bucket into flat buffer `slot` (0 or 1, kept between versions, on the
+        buckets' device), so that the version can be sent later while the model moves on. On a GPU
+        the checksums are taken here (a reduction on the device, which also waits for the copies);
+        host buffers are summed by `send`, off the caller's thread. The caller writes a slot again
+        only once the send that read it has returned."""
         offsets = flat_offsets(buckets)
-        device = torch.device("cuda", torch.cuda.current_device())
-        if self._flat is None or self._flat.numel() != offsets[-1] or self._flat.device != device:
-            self._flat = None  # the old one is freed first: two flat copies need not fit at once
-            self._flat = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
-        views = []
+        views, flat = [], None
         for i, (bucket, buf) in enumerate(zip(buckets, bucket_tensors, strict=True)):
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
-            dst = self._flat[offsets[i]: offsets[i] + bucket.nbytes]
+            if flat is None:
+                flat = self._flats[slot]
+                if flat is None or flat.numel() != offsets[-1] or flat.device != buf.device:
+                    self._flats[slot] = None  # the old one is freed first
+                    flat = self._flats[slot] = torch.empty(offsets[-1], dtype=torch.uint8, device=buf.device)
+            dst = flat[offsets[i]: offsets[i] + bucket.nbytes]
             dst.copy_(buf)  # in stream order: a packing slot is refilled only after this copy
             views.append(dst)
-        sums = device_checksums(views, buckets, checksum)  # synchronises: every copy has landed
-        torch.cuda.current_stream(device).synchronize()
+        sums = None
+        if flat is not None and flat.device.type == "cuda":
+            sums = device_checksums(views, buckets, checksum)  # synchronises: every copy has landed
+            torch.cuda.current_stream(flat.device).synchronize()
+        return Staged(slot=slot, flat=flat, views=views, checksum=checksum, sums=sums)
+
+    def send(self, buckets: list[Bucket], staged: Staged, version: int) -> list[int]:
+        """Sends a staged version to the group's members and returns the bucket checksums: ipc hands
+        out handles of the slot and waits until every member confirmed; gloo and NCCL broadcast the
+        slot's buckets (the same pipelining and closing all-reduce as `broadcast`)."""
+        assert self.pg is not None, "send without a group"
+        if self.backend != "ipc":
+            sums = self.broadcast(buckets, iter(staged.views), staged.checksum, version)
+            return staged.sums if staged.sums is not None else sums
+        pg, members = self.pg, list(self.members)
         for m in members:  # one export each: every member's open releases its own reference count
-            pg.store.set(f"ipc/{version}/{m}", encode(ipc_export(self._flat, version)))
+            pg.store.set(f"ipc/{version}/{m}", encode(ipc_export(staged.flat, version)))
         done = [f"done/{version}/{m}" for m in members]
         try:
             pg.store.wait(done, timedelta(seconds=self.sync_timeout_s))
@@ -423,7 +459,7 @@ class WeightSender:
         for m, k in zip(members, done, strict=True):
             if (answer := pg.store.get(k)) != b"ok":
                 raise RuntimeError(f"ipc: member {m} failed to load version {version}: {answer.decode()[:200]}")
-        return sums
+        return staged.sums
 
     def drop_group(self) -> None:
         self.pg = None
@@ -501,7 +537,7 @@ class WeightReceiver:
         # Host receive buffers handed out lately, newest last: `_buffer` takes one back once nothing
         # else refers to its storage. Bounded: between syncs at most this many buffers stay alive.
         self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=PIPELINE_DEPTH + 2)
-        self._ipc: tuple[tuple, torch.Tensor] | None = None  # the learner's flat buffer, opened once per handle
+        self._ipc: dict[tuple, torch.Tensor] = {}  # the learner's flat buffers, each opened once per handle
         self.shares_device = False  # ipc: the learner's buffer is on this process's current GPU
         self.checksums: list[int] = []
         self.handle_s = self.checksum_s = 0.0  # ipc: waiting for (and opening) the handle; the checksums
@@ -527,7 +563,7 @@ class WeightReceiver:
             torch.cuda.set_device(torch.cuda.current_device())
         if info.backend == "ipc" and not torch.cuda.is_available():
             raise RuntimeError("weights.backend=ipc needs CUDA in every generator")
-        self._ipc = None  # a new epoch may come from a restarted learner: its handles are new
+        self._ipc = {}  # a new epoch may come from a restarted learner: its handles are new
         self.pg = new_group(dist.PrefixStore("pg", ps), rank, len(info.members) + 1, info.backend, timeout_s,
                             address=local_address_towards(info.addr, info.port))
         self.epoch = info.epoch
@@ -597,10 +633,11 @@ class WeightReceiver:
             raise RuntimeError(f"ipc: the handle is for version {export.version} ({export.nbytes} bytes), the "
                                f"announcement for {ann.version} ({offsets[-1]} bytes)")
         ident = (export.device_uuid, export.handle, export.storage_offset, export.nbytes)
-        if self._ipc is None or self._ipc[0] != ident:
-            self._ipc = None
-            self._ipc = (ident, ipc_open(export))
-        flat = self._ipc[1]
+        if ident not in self._ipc:  # the learner alternates between two buffers: both stay open
+            while len(self._ipc) >= 2:
+                del self._ipc[next(iter(self._ipc))]
+            self._ipc[ident] = ipc_open(export)
+        flat = self._ipc[ident]
         self.shares_device = flat.device.index == torch.cuda.current_device()
         bufs = [flat[offsets[i]: offsets[i] + b.nbytes] for i, b in enumerate(ann.buckets)]
         self.handle_s = time.perf_counter() - t0
