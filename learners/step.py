@@ -155,7 +155,9 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
     `values_N` of the behaviour batch; its advantages are whitened over every valid token of the step
     (as verl and OpenRLHF do), returns = advantages before whitening + values. Rejection sampling and
     IS normalisation need pi_prox of the whole step before the first update, so they add the no-grad
-    proximal pass when the step has a single update.
+    proximal pass when the step has a single update. algorithm.pf_ppo scales each sample's
+    advantage by its PF-PPO weight; with a reference and pi_prox computed ahead, `stats["kl"]` is
+    KL(pi_prox || pi_ref), the adaptive controller's statistic.
     """
     alg = cfg.algorithm
     prox = sum_pi2 = None
