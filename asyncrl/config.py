@@ -250,15 +250,19 @@ class LearnerConfig(Section):
     """FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state on CPU"""
     optimizer_offload: bool = False
     """FSDP2 offloads optimizer state only together with parameters"""
-    reshard_after_forward: bool = True
-    shard_layers: bool = True
+    reshard_after_forward: bool | Literal["auto"] = "auto"
+    """FSDP2 frees each layer's gathered compute-dtype parameters after its forward (and gathers them
+    again for the backward). auto: true with several ranks, false on one (nothing is sharded there;
+    keeping them saves a cast per layer and step at the memory of one compute-dtype copy)."""
+    shard_layers: bool | Literal["auto"] = "auto"
     """false: one FSDP2 unit for the whole model instead of one per decoder layer: far fewer hooks and
-    collectives per step, for one GPU (nothing to overlap there) with memory for all the gradients."""
+    collectives per step, for one GPU (nothing to overlap there) with memory for all the gradients.
+    auto: true with several ranks, false on one."""
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
     activation_checkpointing: bool = False
     compile: bool = False
-    """torch.compile each decoder layer"""
-    keep_logits_gb: Annotated[float, NonNegative] = 0.0
+    """torch.compile each decoder layer's forward (in place: parameter names do not change)"""
+    keep_logits_gb: Annotated[float, NonNegative] = 4.0
     """Keep the output head's logits (matmul dtype) for the backward instead of recomputing them, when
     all of one micro-batch's completion-token logits fit in this many GiB (0: always recompute)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"

@@ -58,9 +58,9 @@ def cmd_run(args) -> int:
     wall_s = time.time() - t_launch
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
-    for f in ("metrics.jsonl", "eval.jsonl"):
+    for f in ("metrics.jsonl", "eval.jsonl", "logs/generator-g0.log"):
         if (runs / name / f).exists():
-            shutil.copy(runs / name / f, out / f)
+            shutil.copy(runs / name / f, out / Path(f).name)
     meta = {"mode": args.mode, "config": args.config, "overrides": args.overrides, "budget_s": args.budget_s,
             "t_launch": t_launch, "wall_s": wall_s, "rc": rc}
     (out / "launch.json").write_text(json.dumps(meta, indent=1))
@@ -103,7 +103,8 @@ def curve(run: Path) -> dict:
         "time_to_pass@1_s": reached,
         "time_to_pass@1_from_first_step_s": from_first,
         "median_step_s": round(statistics.median(step_s), 3) if step_s else None,
-        "median": {k: med(k) for k in ("step_s", "sync_s", "idle_ratio", "gen_tokens_per_s",
+        "median": {k: med(k) for k in ("step_s", "compute_s", "data_wait_s", "sync_s", "push_wait_s", "push_s",
+                                        "idle_ratio", "gen_tokens_per_s",
                                         "learner_tokens_per_s", "tokens", "lag_mean", "dropped_frac",
                                         "reward_mean", "pad_frac")},
         "config": {"config": meta["config"], "overrides": meta["overrides"], "budget_s": meta["budget_s"]},

@@ -116,7 +116,8 @@ def push(engine, sd, version, gid, backend="gloo", repeats=1):
             assert stats["checksums"] == sums, "checksums differ between learner and vLLM worker"
             out.append({"backend": backend, "seconds": dt, "GB": nbytes / 1e9, "GB_per_s": nbytes / 1e9 / dt,
                         "ms_per_GB": 1e3 * dt / (nbytes / 1e9), "pause_s": stats["pause_s"],
-                        "receive_s": stats["receive_s"], "stage_s": stats["stage_s"]})
+                        "receive_s": stats["receive_s"], "stage_s": stats["stage_s"],
+                        "load_s": stats.get("load_s", stats["receive_s"]), "load_path": stats.get("load_path", "")})
         sender.close()
         return out if repeats > 1 else out[0]
 

@@ -9,7 +9,10 @@ interleaved so that drift between runs falls on both.
 
 Each push: the learner side (this process) packs its GPU state dict into buckets and sends them; the
 engine pauses, its worker receives and loads them, and both sides' checksums must agree. `seconds` is
-the whole push, `pause_s` the time generation stood still, `ms_per_GB` the push per GB of weights.
+the whole push, `pause_s` the time generation stood still, `ms_per_GB` the push per GB of weights,
+`load_s` the load into vLLM's parameters. Each backend is measured with each `--loads` mode
+(`weights.load`: `reload`, vLLM's generic in-place reload; `direct`, one copy per tensor), and greedy
+output after a direct load must equal greedy output after a reload of the same weights.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import random
 import statistics
 
 import torch
-from vllm_cuda_check import ours_throughput, push, raw_throughput, stage, write_model
+from vllm_cuda_check import greedy, ours_throughput, push, raw_throughput, stage, write_model
 
 from asyncrl.config import load_config
 
@@ -44,6 +47,7 @@ def summary(pushes: list[dict]) -> dict:
     steady = pushes[1:] or pushes  # the first push of an epoch maps buffers and warms the allocator
     return {"seconds_median": statistics.median(p["seconds"] for p in steady),
             "pause_s_median": statistics.median(p["pause_s"] for p in steady),
+            "load_s_median": statistics.median(p["load_s"] for p in steady),
             "ms_per_GB_median": statistics.median(p["ms_per_GB"] for p in steady),
             "first_seconds": pushes[0]["seconds"], "GB": pushes[0]["GB"], "pushes": pushes}
 
@@ -55,6 +59,8 @@ async def amain():
     ap.add_argument("--shapes", default="0.5B,1.5B")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--throughput-rounds", type=int, default=3, help="raw/ours pairs at the first shape (0: none)")
+    ap.add_argument("--backends", default="gloo,ipc")
+    ap.add_argument("--loads", default="reload,direct", help="weights.load modes measured for each backend")
     args = ap.parse_args()
 
     import vllm
@@ -90,15 +96,31 @@ async def amain():
             row["generator"] = {"raw_tokens_per_s": raws, "ours_tokens_per_s": ours, "ratios": ratios,
                                 "ratio_median": statistics.median(ratios)}
             stage(f"{shape} generator / raw: {row['generator']['ratio_median']:.3f} ({ratios})")
-        for bi, backend in enumerate(("gloo", "ipc") if cuda else ("gloo",)):
-            stage(f"{shape} push over {backend}")
-            # One generator id for both: the worker keeps its member id across epochs.
-            pushes = await push(engine, sd, 1 + bi * args.repeats, "p", backend, args.repeats)()
-            row[backend] = summary(pushes)
-            stage(f"{shape} {backend}: {row[backend]['seconds_median']:.3f} s, pause "
-                  f"{row[backend]['pause_s_median']:.3f} s, {row[backend]['ms_per_GB_median']:.1f} ms/GB")
-        if "ipc" in row:
-            row["ipc_speedup"] = row["gloo"]["seconds_median"] / row["ipc"]["seconds_median"]
+        backends = [b for b in args.backends.split(",") if cuda or b == "gloo"]
+        version = 1
+        for backend in backends:
+            row[backend] = {}
+            for load in args.loads.split(","):
+                stage(f"{shape} push over {backend}, weights.load={load}")
+                engine.cfg.weights.load = load
+                # One generator id for all: the worker keeps its member id across epochs.
+                pushes = await push(engine, sd, version, "p", backend, args.repeats)()
+                version += args.repeats
+                assert all(p["load_path"] == load for p in pushes), [p["load_path"] for p in pushes]
+                row[backend][load] = summary(pushes)
+                r = row[backend][load]
+                stage(f"{shape} {backend} {load}: {r['seconds_median']:.3f} s, pause {r['pause_s_median']:.3f} s, "
+                      f"load {r['load_s_median']:.3f} s, {r['ms_per_GB_median']:.1f} ms/GB")
+        # The same weights through both paths must give the same greedy output.
+        prompts = [[rng_i % 90 + 3 for rng_i in range(i, i + 24)] for i in range(8)]
+        outs = {}
+        for load in ("direct", "reload"):
+            engine.cfg.weights.load = load
+            await push(engine, sd, version, "p", backends[-1], 1)()
+            version += 1
+            outs[load] = await greedy(engine, prompts, 16)
+        row["direct_equals_reload_greedy"] = outs["direct"] == outs["reload"]
+        stage(f"{shape} greedy after direct == after reload: {row['direct_equals_reload_greedy']}")
         results["shapes"][shape] = row
         with open(args.json, "w") as f:  # after each shape: a run cut short keeps what it measured
             json.dump(results, f, indent=2)
@@ -107,13 +129,13 @@ async def amain():
         if cuda:
             torch.cuda.empty_cache()
 
-    print("| shape | GB | gloo s | gloo pause s | ipc s | ipc pause s | ipc ms/GB | gloo / ipc |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | GB | backend | weights.load | push s | pause s | load s | ms/GB |")
+    print("|---|---:|---|---|---:|---:|---:|---:|")
     for shape, r in results["shapes"].items():
-        g, i = r["gloo"], r.get("ipc", {k: float("nan") for k in r["gloo"]})
-        print(f"| {shape} | {g['GB']:.2f} | {g['seconds_median']:.3f} | {g['pause_s_median']:.3f} | "
-              f"{i['seconds_median']:.3f} | {i['pause_s_median']:.3f} | {i['ms_per_GB_median']:.1f} | "
-              f"{r.get('ipc_speedup', float('nan')):.1f}x |")
+        for backend in ("gloo", "ipc"):
+            for load, x in r.get(backend, {}).items():
+                print(f"| {shape} | {x['GB']:.2f} | {backend} | {load} | {x['seconds_median']:.3f} | "
+                      f"{x['pause_s_median']:.3f} | {x['load_s_median']:.3f} | {x['ms_per_GB_median']:.1f} |")
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
 

@@ -105,10 +105,14 @@ class Generator:
 
         await sampling.check_generator(self.redis, self.keys, self.cfg.generator, self.id)  # before the engine
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
+        from asyncrl.observe import timeline
+
+        await timeline.mark(self.redis, self.keys, f"{self.id} process", timeline.process_start())
         if self.engine is None:
             from generators.engines import build_engine
 
             self.engine = build_engine(self.cfg)
+        await timeline.mark(self.redis, self.keys, f"{self.id} engine")
         # Weights on disk are version 0; they are current only while the learner is still at 0.
         learner_version = int(await self.redis.get(self.keys.version) or 0)
         wsync = await self.redis.get(self.keys.wsync)

@@ -363,6 +363,8 @@ class VllmEngine:
                 if errors:  # nothing was loaded: the engine keeps its previous weights and version
                     raise RuntimeError(f"weight receive failed in a worker: {errors[0]}")
                 self.loaded_version = version
+                if check := results[0].get("load_check"):
+                    log.info("weights.load=%s: %s", self.cfg.weights.load, check)
                 self.shares_gpu = self.weights_backend == "ipc" and all(r.get("same_gpu") for r in results)
             finally:
                 await self.engine.resume_generation()

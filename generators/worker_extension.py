@@ -19,7 +19,6 @@ from it directly (device to device), then confirms; nothing is staged.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -28,8 +27,6 @@ import torch
 from asyncrl.protocol import schema
 from asyncrl.protocol.weight_sync import WeightReceiver
 from generators.direct_load import DirectLoader, Unsupported
-
-log = logging.getLogger(__name__)
 
 
 class AsyncRLWorkerExtension:
@@ -94,12 +91,11 @@ class AsyncRLWorkerExtension:
         if direct is not None:
             bad = direct.mismatches(weights)
             self._asyncrl_direct_state = (direct, not bad)
-            if bad:
-                log.warning("weights.load=auto: the direct plan disagrees with vLLM's reload on %d tensors (%s); "
-                            "loading by reload from now on", len(bad), ", ".join(bad[:3]))
-            else:
-                log.info("weights.load=auto: the direct plan matches vLLM's reload on all %d tensors; loading "
-                         "direct from the next version on", len(direct.views))
+            # Said by the generator process (vllm_engine.update_weights), whose log a user reads.
+            self._asyncrl_load_check = (f"the direct plan disagrees with vLLM's reload on {len(bad)} tensors "
+                                        f"({', '.join(bad[:3])}); loading by reload from now on" if bad else
+                                        f"the direct plan matches vLLM's reload on all {len(direct.views)} tensors; "
+                                        "loading direct from the next version on")
         return "reload"
 
     def _asyncrl_direct(self, ann, how: str) -> DirectLoader | None:
@@ -115,9 +111,14 @@ class AsyncRLWorkerExtension:
             except Unsupported as e:
                 if how == "direct":
                     raise RuntimeError(f"weights.load=direct: {e}") from e
-                log.info("weights.load=auto: vLLM's reload path (%s)", e)
+                self._asyncrl_load_check = f"vLLM's reload path ({e})"
             self._asyncrl_direct_state = (plan, False)
         return self._asyncrl_direct_state[0]
+
+    def _asyncrl_take_check(self) -> str:
+        """What weights.load=auto decided at this load (said once), else empty."""
+        check, self._asyncrl_load_check = getattr(self, "_asyncrl_load_check", ""), ""
+        return check
 
     def _asyncrl_plan(self, metas) -> DirectLoader:
         from vllm.platforms import current_platform
@@ -173,7 +174,7 @@ class AsyncRLWorkerExtension:
         t0 = time.perf_counter()
         path = self._asyncrl_load(iter(staged["weights"]), staged["ann"], how)
         return {"checksums": staged["checksums"], "seconds": staged["seconds"], "load_s": time.perf_counter() - t0,
-                "load_path": path}
+                "load_path": path, "load_check": self._asyncrl_take_check()}
 
     def asyncrl_receive(self, announcement_frame: bytes, timeout_s: float, atomic: bool = True,
                         how: str = "auto") -> dict:
@@ -198,7 +199,8 @@ class AsyncRLWorkerExtension:
         finally:
             for _ in weights:  # every bucket must be received, or the learner's broadcast would wait
                 pass
-        return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0, "load_path": path}
+        return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0, "load_path": path,
+                "load_check": self._asyncrl_take_check()}
 
     def _asyncrl_load_ipc(self, receiver: WeightReceiver, ann, weights, t0: float, how: str) -> dict:
         """ipc: the whole version already sits in the learner's GPU memory, so loading straight from it
@@ -213,4 +215,5 @@ class AsyncRLWorkerExtension:
         receiver.finish(ann)
         return {"checksums": receiver.checksums, "seconds": time.perf_counter() - t0,
                 "same_gpu": receiver.shares_device, "handle_s": receiver.handle_s,
-                "checksum_s": receiver.checksum_s, "finish_s": time.perf_counter() - t_loaded, "load_path": path}
+                "checksum_s": receiver.checksum_s, "finish_s": time.perf_counter() - t_loaded, "load_path": path,
+                "load_check": self._asyncrl_take_check()}

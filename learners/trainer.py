@@ -175,7 +175,9 @@ class Learner:
         if trainable and lc.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = lc.mixed_precision
-        kwargs = {"mesh": mesh, "reshard_after_forward": lc.reshard_after_forward}
+        reshard = lc.reshard_after_forward if lc.reshard_after_forward != "auto" else self.world > 1
+        shard_layers = lc.shard_layers if lc.shard_layers != "auto" else self.world > 1
+        kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
         if mp.param_dtype != "float32" or mp.reduce_dtype != "float32":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=to_dtype(mp.param_dtype),
                                                        reduce_dtype=to_dtype(mp.reduce_dtype))
@@ -184,10 +186,12 @@ class Learner:
         layers = model.model.layers if hasattr(model, "model") else model.layers
         # A frozen model on one rank has nothing to shard over: FSDP2 would only add copies.
         shard = trainable or self.world > 1 or lc.param_offload
-        for i, layer in enumerate(layers):
+        for layer in layers:
             if lc.compile:
-                layer = layers[i] = torch.compile(layer)
-            if shard and lc.shard_layers:
+                # In place (nn.Module.compile): wrapping the layer would put `_orig_mod.` into every
+                # parameter name, which the generators' models do not have.
+                layer.compile()
+            if shard and shard_layers:
                 fully_shard(layer, **kwargs)
         if not shard:
             return model.to(self.device)
@@ -295,6 +299,11 @@ class Learner:
         self.evaluator = Evaluator(cfg, self.client, start_version=self.version)  # eval rounds every eval.every steps (asyncrl/tasks/evaluation.py)
         log_event(self.client, self.keys, "learner_start", version=self.version, world=self.world,
                   resumed_from=self.resumed_from or "")
+        from asyncrl.observe import timeline
+
+        timeline.mark(self.client, self.keys, "learner process", timeline.process_start())
+        timeline.mark(self.client, self.keys, "learner ready")
+        self.milestones: set[str] = set()  # first batch / step / push, each marked once
         self.unacked: list = []
         self.weight_check = fleet_rules.WeightCheck()  # what we broadcast per version against what generators report
         self.dropped_zero_var = 0
@@ -387,6 +396,7 @@ class Learner:
                 self._read_groups(need - len(self.pending))
             if len(self.pending) >= need:
                 batch, self.pending = self.pending[:need], self.pending[need:]
+                self._milestone("first batch")
                 self.batch_entries = [e for e, _ in batch]
                 self.batch_groups = [g for _, g in batch]
                 return TRAIN, msgspec.msgpack.encode([schema.encode(g) for g in self.batch_groups])
@@ -427,6 +437,7 @@ class Learner:
             if self.version % self.cfg.weights.sync_every == 0:
                 sync_s = self.sync_weights()
             if self.rank == 0:
+                self._milestone("first step")
                 self._finish_push(block=False)  # a push that finished meanwhile: its checksums for the check
                 fleet = self.read_fleet()  # one snapshot for the weight check and the step's fleet metrics
                 self.verify_fleet_weights(fleet)
@@ -511,7 +522,8 @@ class Learner:
 
             st["critic_lr"] = self.critic_optimizer.param_groups[0]["lr"]
             st.update(critic_update(self.critic, self.critic_optimizer, step, plan, values, targets.returns_N, cfg,
-                                    self.rank, self.world, self.pad_id, scheduler=self.critic_scheduler))
+                                    self.rank, self.world, self.pad_id, scheduler=self.critic_scheduler,
+                                    keep_N=targets.keep_N))  # tokens rejection sampling dropped train no value
         # Across ranks: token-weighted means (each rank's stat times its token share), maxima for
         # *_max, sums for the losses (each rank holds its part). Grad norms and whole-step
         # statistics are global already.
@@ -651,6 +663,19 @@ class Learner:
         set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
         return self.sender.send(self.buckets, staged, ann.version)
 
+    def _milestone(self, what: str, t: float | None = None) -> None:
+        """Marks a start-up milestone once (asyncrl/observe/timeline.py); after the first push, prints
+        the timeline."""
+        if what in self.milestones:
+            return
+        from asyncrl.observe import timeline
+
+        self.milestones.add(what)
+        timeline.mark(self.client, self.keys, what, t)
+        if what == "first push":
+            marks = timeline.parse(self.client.hgetall(self.keys.timeline))
+            print(f"startup: {timeline.describe(marks)}", flush=True)
+
     def _finish_push(self, block: bool = True) -> None:
         """Collects the push in flight (waiting for it when `block`): its checksums go to the weight
         check; a failure (a member died mid-push, a timeout) drops the group, which the next fleet
@@ -666,6 +691,8 @@ class Learner:
             self.weight_check.sent(done.version, done.sums)
             self._event("sync", version=done.version, epoch=self.sender.epoch, seconds=seconds,
                         members=len(self.sender.members))
+            if done.version > 0:  # version 0 is the weights the generators started from
+                self._milestone("first push", done.done_at)
             return
         log.error("weight sync of version %d failed: %s; dropping the group", done.version, done.error)
         self._event("sync_failed", version=done.version, epoch=self.sender.epoch, error=done.error[:200])
@@ -757,7 +784,9 @@ class Learner:
         self.obs.on_step(row, rewards, fleet)  # adds reward quantiles, dropped fraction, fleet metrics
         self.client.hset(self.keys.learner, mapping={"step": self.step, "version": self.version,
                                                      "idle_ratio": row["idle_ratio"], "updated_at": time.time(),
-                                                     "tokens_per_s": row["learner_tokens_per_s"]})
+                                                     "tokens_per_s": row["learner_tokens_per_s"],
+                                                     **{k: row[k] for k in ("compute_s", "data_wait_s", "sync_s",
+                                                                            "push_wait_s")}})
         print(f"step={self.step:4d} version={self.version:4d} reward={row['reward_mean']:.3f} "
               f"lag={row['lag_mean']:.2f}/{row['lag_max']} dropped_stale={self.dropped_stale} "
               f"dropped_frac={row['dropped_frac']:.3f} "

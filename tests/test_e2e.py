@@ -43,6 +43,17 @@ def test_default_run_learns_within_the_staleness_bound(tmp_path):
     # on are within the staleness bound of the step that trains it.
     assert rows[-1]["dropped_frac"] < 0.02, [row["dropped_stale"] for row in rows]
     assert "dropped_frac=" in next(line for line in r.stdout.splitlines() if line.startswith("step="))
+    # The learner never waits for a push: a step starts while the generator still receives and loads
+    # the version before it (weights.overlap), and the step row says where the learner's time went.
+    by_step = {row["step"]: row for row in rows}
+    overlapping = [row["push_version"] for row in rows if "push_version" in row
+                   and row["push_version"] + 1 in by_step
+                   and by_step[row["push_version"] + 1]["step_started_at"] < row["push_done_at"]]
+    assert overlapping, [(row.get("push_version"), row.get("push_done_at"), row["step_started_at"]) for row in rows]
+    assert all(row["compute_s"] > 0 and row["data_wait_s"] >= 0 and row["push_wait_s"] >= 0 for row in rows)
+    startup = next(line for line in r.stdout.splitlines() if line.startswith("startup: "))
+    for milestone in ("launch +0.0s", "g0 engine", "learner ready", "first batch", "first step", "first push"):
+        assert milestone in startup, startup
     # run.affinity=auto (the default) on a machine of 2-4 CPUs pins the roles apart, and says so.
     allowed = len(os.sched_getaffinity(0))
     pinned = next(line for line in r.stdout.splitlines() if line.startswith("affinity: "))
@@ -63,7 +74,8 @@ def test_separate_processes_two_generators_two_learner_ranks(tmp_path, tiny_mode
     run_dir = tmp_path / "runs" / "split"
     cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.name=split", "run.max_steps=6",
                              f"model.path={tiny_model}", f"buffer.redis_url={redis.url}", "learner.nproc=2",
-                             "generator.kv_cache_gb=0.5", "generator.max_concurrent_groups=4"])
+                             "generator.kv_cache_gb=0.5", "generator.max_concurrent_groups=4",
+                             "weights.overlap=false"])
     cfg_path = tmp_path / "split.yaml"
     cfg_path.write_text(dump_yaml(cfg))
     py = [sys.executable, "-m", "asyncrl"]
@@ -97,6 +109,10 @@ def test_separate_processes_two_generators_two_learner_ranks(tmp_path, tiny_mode
         assert "members=['g0.0', 'g1.0']" in text, "both generators must be in the weight group"
         gens = {g for row in rows for g in row.get("generators_in_batch", [])}
         assert gens == {"g0", "g1"}, gens
+        # weights.overlap=false: each push was waited for, so no step began before the last one was done.
+        by_step = {row["step"]: row for row in rows}
+        pushes = [(row["push_version"], row["push_done_at"]) for row in rows if "push_version" in row]
+        assert pushes and all(by_step[v + 1]["step_started_at"] >= done for v, done in pushes if v + 1 in by_step)
     finally:
         for p in procs.values():
             if p.poll() is None:

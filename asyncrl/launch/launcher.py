@@ -159,6 +159,9 @@ class Launcher:
                 # A fresh run must not resume an earlier run's checkpoints; keep them aside.
                 cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
         client.delete(keys.stop)
+        from asyncrl.observe import timeline
+
+        timeline.mark(client, keys, "launch", timeline.process_start())
         cfg.weights.backend = local_weights_backend(cfg)
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(cfg))

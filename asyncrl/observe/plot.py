@@ -143,11 +143,16 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, x: str = "s
     ax.legend(loc="best")
     save(fig, "throughput.png")
 
-    # Weight sync time and idle ratios.
+    # Where the learner's time goes (a step's compute, waiting for data, the push on its critical path,
+    # of which waiting for the previous push) and idle ratios.
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    steps, vals = _series(rows, "sync_s", x)
-    a1.plot(steps, vals, marker=".")
-    a1.set(xlabel=xlabel, ylabel="seconds", title="weight sync time")
+    for key, label in (("compute_s", "compute"), ("data_wait_s", "waiting for data"), ("sync_s", "push"),
+                       ("push_wait_s", "waiting for the previous push")):
+        steps, vals = _series(rows, key, x)
+        if vals:
+            a1.plot(steps, vals, marker=".", label=label)
+    a1.set(xlabel=xlabel, ylabel="seconds", title="learner time per step")
+    a1.legend(loc="best")
     for key, label in (("idle_ratio", "learner idle"), ("gen_idle_ratio_mean", "generators idle")):
         steps, vals = _series(rows, key, x)
         if vals:

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict
 
 from asyncrl.config import Config
+from asyncrl.observe import timeline
 from asyncrl.protocol.keys import Keys, connect
 
 
@@ -45,7 +46,9 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
                "tokens_per_s": _num(lh.get("tokens_per_s"), 0.0), "idle_ratio": _num(lh.get("idle_ratio"), 0.0),
                "updated_age_s": now - _num(lh["updated_at"]) if "updated_at" in lh else None,
                "dropped_groups": int(_num(lh.get("dropped_groups"), 0)),
-               "quarantined": int(_num(lh.get("quarantined"), 0)), "metrics_url": exporters.get("learner")}
+               "quarantined": int(_num(lh.get("quarantined"), 0)), "metrics_url": exporters.get("learner"),
+               # the last step's breakdown: computing, waiting for a batch, held up by the push
+               **{k: _num(lh.get(k)) for k in ("compute_s", "data_wait_s", "sync_s", "push_wait_s")}}
     bm = {k.split(":", 1)[1]: v for k, v in _dec(client.hgetall(keys.metrics)).items() if k.startswith("buffer:")}
     try:
         depth = group_lag(client, keys.trajectories, "learner")
@@ -75,7 +78,8 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
     return {"run": keys.run, "time": now, "num_generators": len(gens), "generators": gens, "learner": learner,
             "buffer": buffer, "lag": {"batches": len(batches), "hist": dict(sorted(hist.items(), key=lambda kv:
                                                                                   int(kv[0])))},
-            "events": events, "stalls": stalls, "stopped": bool(client.exists(keys.stop))}
+            "events": events, "stalls": stalls, "stopped": bool(client.exists(keys.stop)),
+            "startup": timeline.parse(client.hgetall(keys.timeline))}
 
 
 def render(snap: dict):
@@ -101,6 +105,9 @@ def render(snap: dict):
     roles.add_row("buffer", f"depth {bf['depth']}", f"oldest {bf['oldest_age_s']:.1f}s",
                   f"{bf['groups_per_s']:.2f} groups/s", f"backlog {bf['prompt_backlog']}",
                   f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")
+    if lr.get("compute_s") is not None:
+        roles.add_row("last step", f"compute {lr['compute_s']:.3f}s", f"waiting for data {lr['data_wait_s']:.3f}s",
+                      f"push {lr['sync_s']:.3f}s", f"of which waiting {lr['push_wait_s']:.3f}s")
     if bf["rejected"]:  # refused frames and handshakes, by reason
         roles.add_row("refused", *[f"{k} {v}" for k, v in bf["rejected"].items()][:7])
     lag = Table(title=f"version lag, last {snap['lag']['batches']} batches (tokens)", expand=True)
@@ -118,6 +125,8 @@ def render(snap: dict):
         t = time.strftime("%H:%M:%S", time.localtime(e["t"])) if e["t"] else "-"
         ev.add_row(t, e["kind"], details[:100], style="bold red" if e["kind"] in ("stall", "sync_failed") else "")
     parts = [gen, roles, lag, ev]
+    if snap.get("startup"):
+        parts.append(Panel(timeline.describe(snap["startup"]), title="start-up"))
     if snap["stalls"]:
         parts.insert(0, Panel("\n".join(f"{s['role']}: {s['what']} for {s['since_s']:.0f}s: {s['reason']}"
                                         for s in snap["stalls"]), title="STALLED", style="bold red"))

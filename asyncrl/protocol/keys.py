@@ -95,6 +95,11 @@ class Keys:
         return self._k("exporters")
 
     @property
+    def timeline(self) -> str:
+        """Hash: start-up milestone -> wall-clock seconds (asyncrl/observe/timeline.py)."""
+        return self._k("timeline")
+
+    @property
     def scale(self) -> str:
         """List of scale requests (`+K`/`-K` generators) for the backend that runs the fleet (asyncrl/launch/elastic.py)."""
         return self._k("scale")
