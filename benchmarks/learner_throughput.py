@@ -287,10 +287,13 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
     from learners import packing
     from learners.batch import build_step
     from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
+    from learners.trainer import fsdp_switches
 
     cfg = Config()
-    cfg.learner.keep_logits_gb = args.keep_logits_gb
+    if args.keep_logits_gb is not None:
+        cfg.learner.keep_logits_gb = args.keep_logits_gb
     cfg.learner.packing = kind != "padded"
+    reshard, shard_layers = fsdp_switches(cfg.learner, 1)
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -298,9 +301,10 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
     ref = copy.deepcopy(policy).to(compute).requires_grad_(False)
     if args.checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in policy.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    if shard_layers:
+        for layer in policy.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     attention = "sdpa (padded)"
     if cfg.learner.packing:
         for m in (policy, ref):
@@ -494,7 +498,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-seqs", default="512,2048", help="--ragged: sequences a step")
     p.add_argument("--uniform-seq", type=int, default=2048, help="--ragged: length of the uniform sequences")
     p.add_argument("--micro-tokens", type=int, default=0, help="--ragged: learner.micro_batch_tokens (0: default)")
-    p.add_argument("--keep-logits-gb", type=float, default=0.0, help="--ragged: learner.keep_logits_gb")
+    p.add_argument("--keep-logits-gb", type=float, default=None,
+                   help="--ragged: learner.keep_logits_gb (default: the config's default)")
     p.add_argument("--checkpointing", action="store_true", help="--ragged: activation checkpointing")
     args = p.parse_args(argv)
     if args.tiny:

@@ -60,6 +60,7 @@ async def amain():
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--throughput-rounds", type=int, default=3, help="raw/ours pairs at the first shape (0: none)")
     ap.add_argument("--backends", default="gloo,ipc")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (a faster engine start; loads are the same)")
     ap.add_argument("--loads", default="reload,direct", help="weights.load modes measured for each backend")
     args = ap.parse_args()
 
@@ -76,7 +77,7 @@ async def amain():
         # The learner's weights, on the GPU.
         sd = {k: v.detach().to("cuda" if cuda else "cpu") for k, v in model.state_dict().items()}
         del model
-        cfg = load_config(None, [f"model.path={path}", "generator.dtype=bfloat16", f"generator.enforce_eager={not cuda}",
+        cfg = load_config(None, [f"model.path={path}", "generator.dtype=bfloat16", f"generator.enforce_eager={args.eager or not cuda}",
                                  "generator.gpu_memory_utilization=0.5", "generator.max_model_len=2048",
                                  "generator.max_tokens=512", "generator.temperature=1.0"])
         stage(f"{shape} engine start")

@@ -52,6 +52,15 @@ def tied_aliases(model) -> set[str]:
     return aliases
 
 
+def fsdp_switches(lc, world: int) -> tuple[bool, bool]:
+    """(reshard_after_forward, shard_layers) of `learner.*` at `world` ranks: `auto` is on with several
+    ranks and off on one, where nothing is sharded and the per-layer units only add hooks and casts."""
+    def pick(value):
+        return world > 1 if value == "auto" else bool(value)
+
+    return pick(lc.reshard_after_forward), pick(lc.shard_layers)
+
+
 def _bcast_bytes(payload: bytes | None, rank: int, cmd: int = 0) -> tuple[int, bytes]:
     """Rank 0 sends (cmd, payload) to every rank; others return what they got. No pickle."""
     head = torch.tensor([cmd, len(payload) if payload else 0], dtype=torch.long)
@@ -175,8 +184,7 @@ class Learner:
         if trainable and lc.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = lc.mixed_precision
-        reshard = lc.reshard_after_forward if lc.reshard_after_forward != "auto" else self.world > 1
-        shard_layers = lc.shard_layers if lc.shard_layers != "auto" else self.world > 1
+        reshard, shard_layers = fsdp_switches(lc, self.world)
         kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
         if mp.param_dtype != "float32" or mp.reduce_dtype != "float32":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=to_dtype(mp.param_dtype),
