@@ -190,7 +190,7 @@ def test_fsdp2_checkpoint_and_export_of_the_tied_llama(make_cfg, smollm2, tmp_pa
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        cfg = make_cfg(f"model.path={smollm2}")
+        cfg = make_cfg(f"model.path={smollm2}", "learner.shard_layers=true")  # one rank's default is the root alone
         learner = SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"))
         model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
         model = Learner._shard(learner, model, fully_shard, init_device_mesh("cpu", (1,)))
