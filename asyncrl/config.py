@@ -18,9 +18,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the checkout's user configs
-# Package data (pyproject's package-data), so an installed wheel finds it as a checkout does.
-DEFAULT_CONFIG = Path(str(resources.files("asyncrl") / "configs" / "tiny.yaml"))
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the checkout's configs
+# The shipped configs are package data (pyproject's package-data; in the checkout asyncrl/configs is a
+# link to configs/), so an installed wheel finds them by name from any directory, as a checkout does.
+PACKAGED_CONFIGS = Path(str(resources.files("asyncrl") / "configs"))
+DEFAULT_CONFIG = PACKAGED_CONFIGS / "tiny.yaml"
 
 
 class ConfigError(ValueError):
@@ -829,11 +831,50 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The configs that ship in the package, by name (the file name without `.yaml`)."""
+    return {p.stem: p for p in sorted(PACKAGED_CONFIGS.glob("*.yaml"))}
+
+
+def config_description(path: Path) -> str:
+    """The first sentence of a config's leading comment (cut at its first ': ' when long)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#") or line.startswith("#  "):  # the comment's end, or its command lines
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    sentence = text.split(". ")[0].rstrip(".")
+    if len(sentence) > 100 and ": " in sentence:
+        sentence = sentence.split(": ")[0]
+    return sentence
+
+
+def resolve_config(path: str | Path | None) -> Path:
+    """A config file as given (relative to the working directory), else a shipped config by name
+    (`smollm2_arith` or `smollm2_arith.yaml`); None is the embedded default."""
+    if not path:
+        return DEFAULT_CONFIG
+    given = Path(path)
+    if given.exists() or len(given.parts) > 1:
+        return given
+    shipped = shipped_configs()
+    name = given.name.removesuffix(".yaml")
+    if name in shipped:
+        return shipped[name]
+    close = difflib.get_close_matches(name, list(shipped), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"config {str(path)!r} is neither a file nor a shipped config ({', '.join(shipped)}: "
+                      f"`asyncrl configs` lists them){hint}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Loads YAML (default: the packaged asyncrl/configs/tiny.yaml), applies overrides, type-checks and validates."""
+    """Loads YAML (a file, or a shipped config by name; default: the packaged asyncrl/configs/tiny.yaml),
+    applies overrides, type-checks and validates. Relative paths inside a config (`model.path`,
+    `run.dir`, `data.path`) are relative to the working directory, wherever the config file lives."""
     import yaml
 
-    path = Path(path) if path else DEFAULT_CONFIG
+    path = resolve_config(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:

@@ -83,7 +83,11 @@ def test_redis_password_missing_or_wrong_is_named(tmp_path):
 
 def _readme_commands() -> list[list[str]]:
     cmds = []
-    for line in (REPO / "README.md").read_text().splitlines():
+    text = (REPO / "README.md").read_text()
+    variables = dict(re.findall(r'^(\w+)="(.*)"$', text, re.M))  # shell variables a block sets
+    for line in text.splitlines():
+        line = re.sub(r"\$(\w+)", lambda v: variables.get(v.group(1), v.group(0)), line)
+        line = re.split(r"\s\d?>", line)[0]  # an output redirection (and the `&` after it)
         m = re.match(r"^asyncrl (buffer|generator|learner|run|submit|scale)\b(.*?)(#.*)?$", line.strip())
         if m:
             cmds.append(shlex.split(f"{m.group(1)} {m.group(2)}"))

@@ -1,4 +1,5 @@
-"""A built (non-editable) wheel carries its default config and Slurm templates as package data."""
+"""A built (non-editable) wheel carries its configs and Slurm templates as package data, and finds a
+config by name from any directory."""
 
 import os
 import shutil
@@ -21,7 +22,8 @@ def test_built_wheel_installed_elsewhere_prints_the_default_config(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("asyncrl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "asyncrl/configs/tiny.yaml" in names
+    # Every config of the checkout ships, as a plain file (asyncrl/configs links to configs/ there).
+    assert {f"asyncrl/configs/{c.name}" for c in (REPO / "configs").glob("*.yaml")} <= names
     assert {f"asyncrl/templates/slurm/{n}.sbatch" for n in ("core", "learner", "generator")} <= names
 
     site = tmp_path / "site"
@@ -45,3 +47,12 @@ def test_built_wheel_installed_elsewhere_prints_the_default_config(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "name: tiny" in r.stdout and "task: copy" in r.stdout and "max_steps: 30" in r.stdout
+
+    # A shipped config by name, from a directory that holds no configs/.
+    r = subprocess.run([sys.executable, "-m", "asyncrl", "run", "smollm2_arith_cpu", "--print-config"], cwd=elsewhere,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "name: smollm2_arith_cpu" in r.stdout and "task: arith" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "asyncrl", "configs"], cwd=elsewhere, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "smollm2_arith " in r.stdout and str(site) in r.stderr, r.stdout + r.stderr

@@ -18,8 +18,9 @@ def _setup_logging(level: str = "INFO") -> None:
 
 
 def _add_config_args(p: argparse.ArgumentParser, config_optional: bool = False) -> None:
+    what = "YAML config: a file, or a shipped config's name (`asyncrl configs` lists them)"
     p.add_argument("config", nargs="?" if config_optional else None, default=None,
-                   help="YAML config (default: asyncrl/configs/tiny.yaml)" if config_optional else "YAML config")
+                   help=f"{what}; default: tiny, the CPU demo" if config_optional else what)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6 run.max_steps=5")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
@@ -164,9 +165,51 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_configs(args) -> int:
+    from asyncrl.config import ConfigError, config_description, resolve_config, shipped_configs
+
+    if args.name:  # its text, to start a config of one's own from
+        try:
+            sys.stdout.write(resolve_config(args.name).read_text())
+        except (ConfigError, OSError) as e:
+            print(f"asyncrl configs: {e}", file=sys.stderr)
+            return 2
+        return 0
+    shipped = shipped_configs()
+    width = max(map(len, shipped))
+    for name, path in shipped.items():
+        print(f"{name:<{width}}  {config_description(path)}")
+    print(f"\n`asyncrl run NAME` runs one; `asyncrl configs NAME > my.yaml` copies one to edit. Relative paths in "
+          f"a config (model.path, data.path, run.dir) are read from the working directory. Files: "
+          f"{next(iter(shipped.values())).parent}", file=sys.stderr)
+    return 0
+
+
+EXAMPLES = """\
+examples:
+  asyncrl run                                  the CPU demo: a tiny model learns the copy task
+  asyncrl run run.max_steps=5 learner.lr=1e-4  dotted overrides of any config key
+  asyncrl configs                              the shipped configs, by name
+  asyncrl run smollm2_arith                    a shipped config by name (or a path: configs/....yaml)
+  asyncrl config check CONFIG [overrides]      validate without starting anything
+  asyncrl status runs/tiny/config.yaml         a run's fleet, lag and events (live, or a finished run)
+
+docs: the project's README.md and docs/ (api, architecture, algorithms, deploy, metrics, gsm8k,
+benchmarks); `asyncrl COMMAND --help` for each command's options.
+"""
+
+
+def _version() -> str:
+    from asyncrl import __version__
+
+    return f"asyncrl {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous actor-learner RL post-training "
-                                     "for LLMs: vLLM generators -> ZeroMQ -> Redis buffer -> FSDP2 learner.")
+                                     "for LLMs: vLLM generators -> ZeroMQ -> Redis buffer -> FSDP2 learner.",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="start Redis, buffer, generators and learner on this machine; supervise")
@@ -189,22 +232,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="the config tree: `schema` (a JSON Schema of every field), `check CONFIG`")
     cfg_sub = p.add_subparsers(dest="action", required=True)
     s = cfg_sub.add_parser("schema", help="print (or --out FILE) the JSON Schema: types, choices, ranges, defaults")
-    s.add_argument("--out", default="")
+    s.add_argument("--out", default="", help="write the schema to this file (default: standard output)")
     s.set_defaults(fn=cmd_config)
     s = cfg_sub.add_parser("check", help="load and validate a config with overrides; one line and exit 2 if wrong")
     _add_config_args(s, config_optional=True)
     s.set_defaults(fn=cmd_config)
 
+    p = sub.add_parser("configs", help="list the shipped configs (asyncrl run NAME); `configs NAME` prints one")
+    p.add_argument("name", nargs="?", default="", help="print this config's YAML instead of the list")
+    p.set_defaults(fn=cmd_configs)
+
     p = sub.add_parser("data", help="prepare a dataset (GSM8K -> train/test parquet)")
-    p.add_argument("dataset", choices=["gsm8k"])
+    p.add_argument("dataset", choices=["gsm8k"], help="the dataset to prepare")
     p.add_argument("--src", required=True, help="folder with train.jsonl/test.jsonl, or a Hugging Face name "
                    "(e.g. openai/gsm8k; needs `datasets` and network)")
     p.add_argument("--out", required=True, help="output folder for train.parquet and test.parquet")
     p.set_defaults(fn=cmd_data)
 
     p = sub.add_parser("tiny-model", help="write a tiny Qwen2 model + tokenizer in Hugging Face format")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="the folder to write (config, safetensors, tokenizer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     p.add_argument("--warm-start-steps", type=int, default=0, help="supervised warm start on the copy task")
     p.set_defaults(fn=cmd_tiny_model)
     from asyncrl.models import add_model_commands

@@ -79,17 +79,18 @@ def add_deploy_commands(sub, add_config_args, load) -> None:
     s = backends.add_parser("slurm", help="sbatch jobs: core (Redis + buffer), learner (srun torchrun), one per generator")
     add_config_args(s)
     s.add_argument("--generators", type=int, default=None, help="generator jobs (default generator.num_generators)")
-    s.add_argument("--learner-nodes", type=int, default=1)
+    s.add_argument("--learner-nodes", type=int, default=1, help="nodes of the learner job (learner.nproc ranks each)")
     s.add_argument("--gpus-per-node", type=int, default=0, help="0: CPU jobs (no --gpus-per-node)")
-    s.add_argument("--partition", default="")
+    s.add_argument("--partition", default="", help="Slurm partition of every job (default: the cluster's)")
     s.add_argument("--dry-run", action="store_true", help="print the rendered scripts, submit nothing")
     s.set_defaults(fn=lambda a: cmd_submit_slurm(a, load))
     r = backends.add_parser("ray", help="a Ray job whose driver places the roles with placement groups")
     add_config_args(r)
     r.add_argument("--address", required=True, help="the Ray dashboard address, e.g. http://127.0.0.1:8265")
-    r.add_argument("--generators", type=int, default=None)
-    r.add_argument("--learner-nodes", type=int, default=1)
-    r.add_argument("--gpus-per-node", type=int, default=0)
+    r.add_argument("--generators", type=int, default=None, help="generator actors (default generator.num_generators)")
+    r.add_argument("--learner-nodes", type=int, default=1, help="nodes of the learner group (learner.nproc ranks each)")
+    r.add_argument("--gpus-per-node", type=int, default=0, help="GPUs of each learner node's bundle (a generator then takes "
+                   "tensor_parallel_size); 0: CPU")
     r.add_argument("--cpus-per-role", type=float, default=1.0, help="CPUs each role's bundle reserves")
     from asyncrl.launch.deploy_ray import ROLES  # the standard library only: `asyncrl --help` stays instant
 

@@ -490,7 +490,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="discrete-event model of the pipeline: throughput, lag, idle at scale")
     p.add_argument("--from-run", help="calibrate from a run directory (config.yaml + metrics.jsonl)")
     p.add_argument("--fleets", default=",".join(map(str, FLEETS)), help="generator counts to tabulate")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help="run modes to compare, comma-separated")
     p.add_argument("--no-scale-batch", action="store_true", help="keep batch_groups and learner speed fixed")
     p.add_argument("--validate", action="store_true", help="simulate the calibrated run itself and compare")
     p.add_argument("--against", help="with --validate: predict this other run (its run.mode, staleness and "
