@@ -88,6 +88,7 @@ class DirectLoader:
             params[key].parts.append((index, name, shape))
         for (path, _), p in params.items():
             self._plan(path, p, shapes, packed.get(path.rpartition(".")[2]), post_process)
+        self.params = list(params.values())
         self._check_coverage(params, tied)
 
     def _plan(self, path: str, p: _Param, shapes, fused_parts, post_process: bool) -> None:
@@ -106,9 +107,10 @@ class DirectLoader:
         dtype = self.dtype or shapes[p.parts[0][1]][1]
         if isinstance(live, torch.Tensor) and tuple(live.shape) == full_shape:
             p.full = live.data
-        elif (isinstance(live, torch.Tensor) and full_shape and live.dim() == len(full_shape)
+        elif (isinstance(live, torch.Tensor) and fused_parts is None and full_shape
+              and getattr(p.module, "org_vocab_size", None) == rows and live.dim() == len(full_shape)
               and live.shape[0] > rows and tuple(live.shape[1:]) == full_shape[1:]):
-            p.full = live.data  # a vocabulary vLLM padded: the pushed rows come first
+            p.full = live.data  # a vocabulary vLLM padded (an embedding or head): the pushed rows come first
         elif post_process and method is not None and (live is None or live.numel() == 0):
             p.full, p.own = torch.empty(full_shape, dtype=dtype, device=_device_of(p.module)), True
             self.owned.append(p)
@@ -159,6 +161,11 @@ class DirectLoader:
         """After a load by another path: the pushed tensors whose place in the model (those vLLM keeps
         in the checkpoint layout) does not hold exactly their values. Empty: the plan is right."""
         bad = []
+        for p in self.params:  # a parameter whose storage was replaced: the views point at the old one
+            live = getattr(p.module, p.leaf, None)
+            if not p.own and (not isinstance(live, torch.Tensor)
+                              or live.untyped_storage().data_ptr() != p.full.untyped_storage().data_ptr()):
+                bad.extend(f"{name} (storage replaced)" for _, name, _ in p.parts)
         for name, tensor in weights:
             dst = self.views.get(name)
             if dst is None or name in self.owned_names:

@@ -90,7 +90,8 @@ class AsyncRLWorkerExtension:
         self._asyncrl_retie()
         if direct is not None:
             bad = direct.mismatches(weights)
-            self._asyncrl_direct_state = (direct, not bad)
+            # A plan that disagreed is dropped for this layout: no second check, no switching back.
+            self._asyncrl_direct_state = (direct, True) if not bad else (None, False)
             # Said by the generator process (vllm_engine.update_weights), whose log a user reads.
             self._asyncrl_load_check = (f"the direct plan disagrees with vLLM's reload on {len(bad)} tensors "
                                         f"({', '.join(bad[:3])}); loading by reload from now on" if bad else
@@ -105,15 +106,16 @@ class AsyncRLWorkerExtension:
             return None
         layout = tuple((m.name, tuple(m.shape), m.dtype) for b in ann.buckets for m in b.tensors)
         if getattr(self, "_asyncrl_direct_layout", None) != layout:
-            self._asyncrl_direct_layout, plan = layout, None
+            self._asyncrl_direct_layout, self._asyncrl_direct_state, self._asyncrl_direct_why = layout, (None, False), ""
             try:
-                plan = self._asyncrl_plan([m for b in ann.buckets for m in b.tensors])
+                self._asyncrl_direct_state = (self._asyncrl_plan([m for b in ann.buckets for m in b.tensors]), False)
             except Unsupported as e:
-                if how == "direct":
-                    raise RuntimeError(f"weights.load=direct: {e}") from e
+                self._asyncrl_direct_why = str(e)
                 self._asyncrl_load_check = f"vLLM's reload path ({e})"
-            self._asyncrl_direct_state = (plan, False)
-        return self._asyncrl_direct_state[0]
+        plan = self._asyncrl_direct_state[0]
+        if plan is None and how == "direct":  # every version of this layout fails the same way
+            raise RuntimeError(f"weights.load=direct: {self._asyncrl_direct_why or 'the plan was rejected'}")
+        return plan
 
     def _asyncrl_take_check(self) -> str:
         """What weights.load=auto decided at this load (said once), else empty."""
@@ -128,11 +130,13 @@ class AsyncRLWorkerExtension:
             raise Unsupported(f"quantization {cfg.model_config.quantization}")
         if cfg.parallel_config.tensor_parallel_size > 1 or cfg.parallel_config.pipeline_parallel_size > 1:
             raise Unsupported("tensor or pipeline parallelism")
+        if not (current_platform.is_cuda() or current_platform.is_cpu()):
+            raise Unsupported(f"platform {current_platform.device_name} (direct loads are planned for CUDA and CPU)")
         hf = cfg.model_config.hf_config
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         model = self.model_runner.get_model() if hasattr(self.model_runner, "get_model") else self.model_runner.model
         return DirectLoader(model, metas, tied=bool(getattr(text, "tie_word_embeddings", False)),
-                            post_process=not current_platform.is_cuda_alike(), dtype=cfg.model_config.dtype)
+                            post_process=current_platform.is_cpu(), dtype=cfg.model_config.dtype)
 
     def _asyncrl_retie(self) -> None:
         """A tied output head (`tie_word_embeddings`: SmolLM2, Qwen2.5-0.5B) takes the embedding again.

@@ -361,7 +361,9 @@ class Learner:
         return fleet_rules.live_members(self.read_fleet() if fleet is None else fleet, self.admission)
 
     def fleet_needs_sync(self, fleet: dict[str, schema.Heartbeat] | None = None) -> bool:
-        return set(self.live_members(fleet)) != set(self.sender.members)
+        """The live members differ from the group's, or a failed push dropped the group while members live."""
+        live = set(self.live_members(fleet))
+        return live != set(self.sender.members) or (bool(live) and self.sender.pg is None)
 
     def _read_groups(self, need: int) -> None:
         """Tops up self.pending through the reader (learners/reader.py: XREADGROUP, the staleness
@@ -410,6 +412,9 @@ class Learner:
                 return TRAIN, msgspec.msgpack.encode([schema.encode(g) for g in self.batch_groups])
             self.idle_s += time.monotonic() - t0
             self.data_wait_s += time.monotonic() - t0
+            # A push that finished (or failed: the group is dropped, and re-formed just below) while we wait:
+            # generators whose load failed hold no version and send nothing until the group is re-formed.
+            self._finish_push(block=False)
             if time.monotonic() - self.last_fleet_check > 1.0:
                 self.last_fleet_check = time.monotonic()
                 if self.fleet_needs_sync():
@@ -646,24 +651,61 @@ class Learner:
         # gloo moves host memory: on CUDA the buckets are packed on the CPU (one copy out of the GPU);
         # NCCL and ipc pack on the GPU.
         send_dev = self.device if self.sender.backend in ("nccl", "ipc") else torch.device("cpu")
+        if not self.overlap:
+            self._push_now(tensors, checksum, send_dev)
+            self.sync_s = time.perf_counter() - t0
+            return self.sync_s
         try:
             staged = self.sender.stage(self.buckets, pack_buckets(self.buckets, tensors, send_dev), checksum,
                                        slot=self.pushes.next_slot)
+        except RuntimeError as e:  # out of memory for the second buffer, say: this version is not pushed
+            staged = None
+            self._finish_push()
+            self._push_failed(self.version, f"staging: {type(e).__name__}: {e}")
         finally:
             for _ in tensors:  # every all-gather is joined, whatever happened (other ranks are in them)
                 pass
-        self._finish_push()  # the previous version's send: every member has it before this one is announced
-        if self.sender.pg is None:  # it failed and the group was dropped: the next fleet check re-forms it
+        if staged is not None:
+            self._finish_push()  # the previous version's send: every member has it before this one is announced
+        if staged is None or self.sender.pg is None:  # the group was dropped: the next fleet check re-forms it
             self.sync_s = time.perf_counter() - t0
             return self.sync_s
-        ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=self.version,
-                                        epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time(),
-                                        checksum=checksum)
+        ann = self._announcement(checksum)
         self.pushes.submit(self.version, self._send, ann, staged)
-        if not self.overlap:
-            self._finish_push()
         self.sync_s = time.perf_counter() - t0
         return self.sync_s
+
+    def _announcement(self, checksum: str) -> schema.WeightAnnouncement:
+        return schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=self.version,
+                                         epoch=self.sender.epoch, buckets=self.buckets, announced_at=time.time(),
+                                         checksum=checksum)
+
+    def _push_now(self, tensors, checksum: str, send_dev: torch.device) -> None:
+        """Without the overlap (run.mode=sync, staleness 0, weights.overlap=false): the push on this
+        thread, waited for. Over gloo and NCCL the buckets stream (each gathered and packed while
+        earlier ones are on the wire, a large tensor sent from its own storage); over ipc the version is
+        staged into the one buffer members read from."""
+        self._finish_push()
+        ann = self._announcement(checksum)
+        t_start = time.time()
+        try:
+            if self.sender.backend == "ipc":
+                staged = self.sender.stage(self.buckets, pack_buckets(self.buckets, tensors, send_dev), checksum)
+                set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
+                sums = self.sender.send(self.buckets, staged, ann.version)
+            else:
+                set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
+                sums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev), checksum,
+                                             version=ann.version)
+        except RuntimeError as e:  # SyncTimeout too: a member died mid-push, a load failed, out of memory
+            self._push_failed(ann.version, f"{type(e).__name__}: {e}")
+            return
+        finally:
+            for _ in tensors:  # every all-gather is joined, whatever happened (other ranks are in them)
+                pass
+        from learners.push import PushResult
+
+        self._pushed(PushResult(ann.version, sums, "", t_start, time.time(), 0.0))
 
     def _send(self, ann: schema.WeightAnnouncement, staged) -> list[int]:
         """On the push thread: announce (the wake-up lets generators join at once instead of at their
@@ -692,18 +734,23 @@ class Learner:
         if done is None:
             return
         self.push_wait_s += done.waited_s
+        if done.sums is None:
+            self._push_failed(done.version, done.error)
+        else:
+            self._pushed(done)
+
+    def _pushed(self, done) -> None:
         self.last_push = done
-        seconds = f"{done.done_at - done.started_at:.4f}"
-        if done.sums is not None:
-            self.last_checksums = done.sums
-            self.weight_check.sent(done.version, done.sums)
-            self._event("sync", version=done.version, epoch=self.sender.epoch, seconds=seconds,
-                        members=len(self.sender.members))
-            if done.version > 0:  # version 0 is the weights the generators started from
-                self._milestone("first push", done.done_at)
-            return
-        log.error("weight sync of version %d failed: %s; dropping the group", done.version, done.error)
-        self._event("sync_failed", version=done.version, epoch=self.sender.epoch, error=done.error[:200])
+        self.last_checksums = done.sums
+        self.weight_check.sent(done.version, done.sums)
+        self._event("sync", version=done.version, epoch=self.sender.epoch,
+                    seconds=f"{done.done_at - done.started_at:.4f}", members=len(self.sender.members))
+        if done.version > 0:  # version 0 is the weights the generators started from
+            self._milestone("first push", done.done_at)
+
+    def _push_failed(self, version: int, error: str) -> None:
+        log.error("weight sync of version %d failed: %s; dropping the group", version, error)
+        self._event("sync_failed", version=version, epoch=self.sender.epoch, error=error[:200])
         self.sender.drop_group()
 
     def _publish_epoch(self, info: schema.GroupEpoch) -> None:
@@ -781,10 +828,11 @@ class Learner:
             # waiting for the previous push (within sync_s, which adds gathering and staging this one).
             "compute_s": stats["step_s"], "data_wait_s": self.data_wait_s, "push_wait_s": self.push_wait_s,
         }
-        if (push := self.last_push) is not None:  # the last push collected: when it started and was done
+        if (push := self.last_push) is not None:  # the push collected since the last row: when it started, was done
             row.update(push_version=push.version, push_started_at=push.started_at, push_done_at=push.done_at,
                        push_s=push.done_at - push.started_at)
         self.data_wait_s = self.push_wait_s = 0.0
+        self.last_push = None
         baselines = [g.baseline_reward for g in groups if g.baseline_reward is not None]
         if baselines:  # advantage=remax: the greedy completions' rewards the samples were measured against
             row["baseline_reward_mean"] = sum(baselines) / len(baselines)

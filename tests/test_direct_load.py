@@ -197,6 +197,44 @@ def test_plan_fills_a_stacked_parameter_from_its_parts_in_order():
     assert plan.mismatches(iter(parts.items())) == ["k_proj.weight"]
 
 
+def test_only_a_vocabulary_layer_may_be_larger_than_the_push():
+    """vLLM pads a vocabulary; the pushed rows go first. A stacked parameter with more rows than its
+    parts is a layout we do not know (a part would land at the wrong offset), not padding."""
+    from generators.direct_load import DirectLoader, Unsupported
+
+    parts = {"q_proj.weight": (4, 4), "k_proj.weight": (2, 4), "v_proj.weight": (1, 4), "o_proj.weight": (4, 4)}
+    with pytest.raises(Unsupported, match="qkv_proj.weight: vLLM holds shape"):
+        DirectLoader(_Block(), _metas(parts), tied=False, post_process=False)
+
+    class _Embedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.org_vocab_size = 6
+            self.weight = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)  # padded to 8 rows
+
+    class _Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = _Embedding()
+
+    model = _Model()
+    plan = DirectLoader(model, _metas({"embed_tokens.weight": (6, 4)}), tied=False, post_process=False)
+    plan.load(iter([("embed_tokens.weight", torch.ones(6, 4))]))
+    assert model.embed_tokens.weight[:6].eq(1).all() and model.embed_tokens.weight[6:].eq(0).all()
+
+
+def test_a_parameter_whose_storage_vllm_replaced_fails_the_check():
+    from generators.direct_load import DirectLoader
+
+    block = _Block()
+    shapes = {"q_proj.weight": (4, 4), "k_proj.weight": (2, 4), "v_proj.weight": (2, 4), "o_proj.weight": (4, 4)}
+    plan = DirectLoader(block, _metas(shapes), tied=False, post_process=False)
+    parts = {n: torch.zeros(s) for n, s in shapes.items()}
+    assert plan.mismatches(iter(parts.items())) == []
+    block.o_proj.weight = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)  # same values, new storage
+    assert plan.mismatches(iter(parts.items())) == ["o_proj.weight (storage replaced)"]
+
+
 def test_a_wire_dtype_other_than_the_engines_is_cast_as_the_reload_casts_it():
     from generators.direct_load import DirectLoader
 

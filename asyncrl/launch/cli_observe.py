@@ -45,9 +45,14 @@ def _config_and_redis(args):
 
 def cmd_status(args) -> int:
     cfg, url = _config_and_redis(args)
+    from asyncrl.observe.ended import open_run
     from asyncrl.observe.status import main
 
-    return main(cfg, url, once=args.once, as_json=args.json, interval_s=args.interval, last_n=args.last)
+    with open_run(cfg, url, given=bool(args.redis)) as run:
+        if run.ended:  # one snapshot: nothing moves any more
+            print(f"asyncrl status: {run.note}", file=sys.stderr)
+        return main(cfg, run.url, once=args.once or run.ended, as_json=args.json, interval_s=args.interval,
+                    last_n=args.last, ended=run.ended)
 
 
 def cmd_plot(args) -> int:
@@ -66,11 +71,15 @@ def cmd_plot(args) -> int:
 
 def cmd_inspect(args) -> int:
     cfg, url = _config_and_redis(args)
+    from asyncrl.observe.ended import newest_weights, open_run
     from asyncrl.observe.inspection import inspect_trajectories, print_records
 
-    path = args.model or cfg.model_path
-    records = inspect_trajectories(cfg, url, args.num, args.samples, path, with_current=not args.no_current)
-    print_records(records, path, args.json)
+    path, what = (args.model, "--model") if args.model else newest_weights(cfg)
+    with open_run(cfg, url, given=bool(args.redis)) as run:
+        if run.ended:
+            print(f"asyncrl inspect: {run.note}", file=sys.stderr)
+        records = inspect_trajectories(cfg, run.url, args.num, args.samples, path, with_current=not args.no_current)
+    print_records(records, path, args.json, what)
     return 0
 
 
@@ -82,7 +91,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_observe_commands(sub) -> None:
-    p = sub.add_parser("status", help="live view of the fleet: generators, learner, buffer, lag, events, stalls")
+    p = sub.add_parser("status", help="live view of the fleet: generators, learner, buffer, lag, events, stalls "
+                       "(a finished run: one snapshot from its run folder)")
     _add_run_args(p)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="with --once: a machine-readable JSON snapshot")
@@ -101,7 +111,8 @@ def add_observe_commands(sub) -> None:
     _add_run_args(p)
     p.add_argument("-n", "--num", type=int, default=2, help="newest groups to show")
     p.add_argument("--samples", type=int, default=2, help="samples per group")
-    p.add_argument("--model", default="", help="weights for the current log-probs (default: model.path)")
+    p.add_argument("--model", default="", help="weights for the current log-probs (default: the learner's "
+                   "export {run_dir}/hf-final when the run wrote one, else model.path)")
     p.add_argument("--no-current", action="store_true", help="skip the model forward (no current log-probs)")
     p.add_argument("--json", action="store_true", help="JSON instead of tables")
     p.set_defaults(fn=cmd_inspect)

@@ -161,6 +161,7 @@ class Launcher:
         client.delete(keys.stop)
         from asyncrl.observe import timeline
 
+        client.delete(keys.timeline)  # a resumed run's start-up is this launch's, not the first one's
         timeline.mark(client, keys, "launch", timeline.process_start())
         cfg.weights.backend = local_weights_backend(cfg)
         cfg_path = self.run_dir / "config.yaml"

@@ -75,15 +75,17 @@ def inspect_trajectories(cfg: Config, redis_url: str, num_groups: int = 2, max_s
     return out
 
 
-def print_records(records: list[dict], model_path: str, as_json: bool) -> None:
+def print_records(records: list[dict], model_path: str, as_json: bool, weights_are: str = "") -> None:
+    """`weights_are`: what the weights at `model_path` are (the learner's export, the starting weights)."""
     if as_json:
-        print(json.dumps({"current_weights": model_path, "groups": records}, indent=2))
+        print(json.dumps({"current_weights": model_path, "current_weights_are": weights_are, "groups": records},
+                         indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    console.print(f"current log-probs: weights at {model_path}")
+    console.print(f"current log-probs: weights at {model_path}" + (f" ({weights_are})" if weights_are else ""))
     for rec in records:
         if "error" in rec:
             console.print(f"[red]{rec['entry']}: undecodable: {rec['error']}")

@@ -130,17 +130,21 @@ def render(snap: dict):
     if snap["stalls"]:
         parts.insert(0, Panel("\n".join(f"{s['role']}: {s['what']} for {s['since_s']:.0f}s: {s['reason']}"
                                         for s in snap["stalls"]), title="STALLED", style="bold red"))
-    return Panel(Group(*parts), title=f"asyncrl run {snap['run']}" + (" (stopped)" if snap["stopped"] else ""))
+    state = " (ended)" if snap.get("ended") else (" (stopped)" if snap["stopped"] else "")
+    return Panel(Group(*parts), title=f"asyncrl run {snap['run']}{state}")
 
 
-def main(cfg: Config, redis_url: str, once: bool, as_json: bool, interval_s: float, last_n: int) -> int:
+def main(cfg: Config, redis_url: str, once: bool, as_json: bool, interval_s: float, last_n: int,
+         ended: bool = False) -> int:
+    """`ended`: the run is over and `redis_url` serves its saved state (asyncrl/observe/ended.py): one
+    snapshot, marked as such, with no watchdog (every role would read as stalled)."""
     from asyncrl.observe.watchdog import Watchdog
 
     client = connect(redis_url)
     keys = Keys(cfg.run.name)
-    watchdog = Watchdog(client, keys, cfg) if cfg.run.stall_timeout_s > 0 else None
+    watchdog = Watchdog(client, keys, cfg) if cfg.run.stall_timeout_s > 0 and not ended else None
     if once:
-        snap = snapshot(client, keys, cfg, watchdog, last_n)
+        snap = {**snapshot(client, keys, cfg, watchdog, last_n), "ended": ended}
         if as_json:
             print(json.dumps(snap, indent=2))
         else:

@@ -327,6 +327,7 @@ class WeightSender:
         self.choose = choose
         # Two flat buffers a version is staged in (`stage`): one being sent while the next is written.
         self._flats: list[torch.Tensor | None] = [None, None]
+        self._stream = None  # NCCL sends of staged versions: a CUDA stream of their own
 
     def open_epoch(self, members: list[str], publish: Callable[[GroupEpoch], None],
                    on_event: Callable[..., None], alive: Callable[[], list[str]] | None = None) -> list[str]:
@@ -381,7 +382,7 @@ class WeightSender:
             return members
 
     def broadcast(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor],
-                  checksum: str = "full", version: int = -1) -> list[int]:
+                  checksum: str = "full", version: int = -1, sums: list[int] | None = None) -> list[int]:
         """Broadcasts each flat bucket (already packed) in order; returns their checksums (`checksum`
         is the announcement's mode, see `bucket_checksum`). `version` is the announcement's (ipc
         names its handles and confirmations by it)."""
@@ -392,20 +393,21 @@ class WeightSender:
         # packed (the zip pulls it only after the previous broadcast was started). Several in flight,
         # not one: a receiver that is scheduled late (more processes than cores) then does not stall
         # the whole fleet at every bucket boundary.
-        sums, in_flight = [], collections.deque()
+        known, sums, in_flight = sums, [], collections.deque()  # `sums` given: taken already (at staging)
         device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         for bucket, buf in zip(buckets, bucket_tensors, strict=True):
             device = buf.device
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
             work = _start_broadcast(self.pg, buf, self.sync_timeout_s)
-            sums.append(bucket_checksum(buf, bucket_mode(bucket, checksum)))  # read-only while it is being sent
+            if known is None:  # read-only while it is being sent
+                sums.append(bucket_checksum(buf, bucket_mode(bucket, checksum)))
             in_flight.append((work, buf))  # a direct bucket is a parameter's own storage: keep it alive
             while len(in_flight) >= PIPELINE_DEPTH:  # frees the pool slot pack_buckets fills next
                 _wait(in_flight.popleft()[0], self.sync_timeout_s)
         while in_flight:
             _wait(in_flight.popleft()[0], self.sync_timeout_s)
         _all_received(self.pg, device, self.sync_timeout_s)
-        return sums
+        return sums if known is None else known
 
     def _share(self, buckets: list[Bucket], bucket_tensors: Iterator[torch.Tensor], checksum: str,
                version: int) -> list[int]:
@@ -445,8 +447,15 @@ class WeightSender:
         slot's buckets (the same pipelining and closing all-reduce as `broadcast`)."""
         assert self.pg is not None, "send without a group"
         if self.backend != "ipc":
-            sums = self.broadcast(buckets, iter(staged.views), staged.checksum, version)
-            return staged.sums if staged.sums is not None else sums
+            if staged.flat is not None and staged.flat.is_cuda:
+                # NCCL: on a stream of its own. On the caller's (the default stream, which the learner's
+                # next step fills) each bucket would wait for the step's queued kernels, and the step's
+                # later kernels for the broadcast. The staged buffer is complete (`stage` synchronised).
+                if self._stream is None or self._stream.device != staged.flat.device:
+                    self._stream = torch.cuda.Stream(staged.flat.device)
+                with torch.cuda.stream(self._stream):
+                    return self.broadcast(buckets, iter(staged.views), staged.checksum, version, sums=staged.sums)
+            return self.broadcast(buckets, iter(staged.views), staged.checksum, version, sums=staged.sums)
         pg, members = self.pg, list(self.members)
         for m in members:  # one export each: every member's open releases its own reference count
             pg.store.set(f"ipc/{version}/{m}", encode(ipc_export(staged.flat, version)))
