@@ -1,5 +1,6 @@
-"""The generation engine interface (`Engine`, a typing.Protocol) and the backend choice
-(`generator.backend`): `vllm` (generators/vllm_engine.py) or `hf` (generators/hf_engine.py).
+"""The generation engine interface (`Engine`, a typing.Protocol) and what it returns. The backends,
+`vllm` (generators/vllm_engine.py) and `hf` (generators/hf_engine.py), are chosen by
+`generator.backend` in generators/backends.py.
 
 The generator process (generators/main.py) uses nothing of an engine beyond this interface.
 """
@@ -9,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict, runtime_checkable
-
-from asyncrl.config import Config
 
 
 @dataclass
@@ -63,13 +62,3 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         ...
-
-
-def build_engine(cfg: Config) -> Engine:
-    if cfg.generator.backend == "hf":
-        from generators.hf_engine import HfEngine
-
-        return HfEngine(cfg, cfg.model_path)
-    from generators.vllm_engine import VllmEngine
-
-    return VllmEngine(cfg, cfg.model_path)

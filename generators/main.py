@@ -109,7 +109,7 @@ class Generator:
 
         await timeline.mark(self.redis, self.keys, f"{self.id} process", timeline.process_start())
         if self.engine is None:
-            from generators.engines import build_engine
+            from generators.backends import build_engine
 
             self.engine = build_engine(self.cfg)
         await timeline.mark(self.redis, self.keys, f"{self.id} engine")

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from generators.engines import build_engine
+from generators.backends import build_engine
 from generators.hf_engine import HfEngine, filter_logits
 from tests.gen_support import Pusher, perturbed_state, switch_points
 
