@@ -72,13 +72,12 @@ def _preflight(cfg, redis_required: bool = True, model: bool = True) -> None:
 
 
 def cmd_run(args) -> int:
+    from asyncrl.api import launch
     from asyncrl.launch.affinity import ROLES
-    from asyncrl.launch.launcher import Launcher
 
     cfg = _load(args)
     _pin(cfg, ROLES, apply=False)  # checks only: the launcher pins each child (the launcher itself stays unpinned)
-    _preflight(cfg, redis_required=False)  # an empty buffer.redis_url: the launcher starts a local one
-    return Launcher(cfg).run()
+    return launch(cfg)  # the Python API's launcher: preflight, then every role, supervised
 
 
 def cmd_buffer(args) -> int:

@@ -1,0 +1,188 @@
+"""The Python API: what `asyncrl run` does, from a notebook or a script.
+
+    import asyncrl
+    cfg = asyncrl.load("tiny", {"run.max_steps": 5})     # a file, a shipped config's name, or None
+    run = asyncrl.start(cfg)                             # the launcher, in a process of its own
+    for row in run.follow():                             # each learner step's metrics row
+        print(row["step"], row["reward_mean"])
+    run.wait()                                           # the launcher's exit code (0: done)
+
+`start` runs the same launcher as `asyncrl run` (`python -m asyncrl run` on the resolved config), in
+its own process: the launcher supervises its children with signal handlers, which only a main
+thread may install, and a notebook's kernel must not be torn down with the run. `launch` runs it in
+this process and blocks; it is what the CLI's `run` calls. Only the config module is imported here,
+and it only when used, so `import asyncrl` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+
+Overrides = Sequence[str] | Mapping[str, Any] | None
+
+
+def _override_list(overrides: Overrides) -> list[str]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        return [f"{key}={_text(value)}" for key, value in overrides.items()]
+    return list(overrides)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(map(_text, value)) + "]"
+    return str(value)
+
+
+def load(config: str | Path | None = None, overrides: Overrides = None) -> Config:
+    """A checked config: `config` is a YAML file, a shipped config's name (`asyncrl configs`) or None
+    (the CPU demo, tiny); `overrides` are dotted keys, `["run.max_steps=5"]` or `{"run.max_steps": 5}`.
+    A mistake raises `asyncrl.config.ConfigError` naming the key and the fix."""
+    from asyncrl.config import load_config
+
+    return load_config(config, _override_list(overrides))
+
+
+def register_reward(cfg: Config, fn: Callable[..., float]) -> Config:
+    """Makes `fn(completion, answer, prompt=, prompt_id=, group_id=) -> float` the run's reward
+    (`reward.function=module:fn`). Generators are processes of their own that import it by name, so
+    `fn` must live in a module file (not a notebook cell or the script being run); its folder is put
+    on this process's PYTHONPATH, which every role of a run started here inherits. Returns `cfg`, changed."""
+    from asyncrl.config import ConfigError
+
+    module = sys.modules.get(fn.__module__)
+    if fn.__module__ == "__main__" or module is None or not getattr(module, "__file__", None):
+        raise ConfigError(f"register_reward: {fn.__qualname__} is defined in {fn.__module__!r}, which a generator "
+                          f"process cannot import; put it in a module file (e.g. my_rewards.py) and import it")
+    if "." in fn.__qualname__ or "<" in fn.__qualname__:
+        raise ConfigError(f"register_reward: {fn.__qualname__} is not a module-level function")
+    cfg.reward.function = f"{fn.__module__}:{fn.__qualname__}"
+    root = Path(module.__file__).resolve().parent
+    for _ in fn.__module__.split(".")[1:]:  # a package's module: the folder above the package
+        root = root.parent
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(root) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *paths])
+    return cfg
+
+
+def launch(cfg: Config) -> int:
+    """Runs the whole run in this process (local Redis, buffer, generators, learner) and blocks until
+    it ends; the launcher's exit code (0: done, 130: interrupted, 3: stalled with run.on_stall=fail).
+    What `asyncrl run` calls; it installs SIGINT/SIGTERM handlers, so call it from a main thread."""
+    from asyncrl.launch.affinity import ROLES, check_available
+    from asyncrl.launch.launcher import Launcher
+    from asyncrl.launch.preflight import check_all
+
+    check_available(cfg, ROLES)  # checks only: the launcher pins each child, never itself
+    check_all(cfg, redis_required=False, model=True)  # an empty buffer.redis_url: the launcher starts one
+    return Launcher(cfg).run()
+
+
+class Run:
+    """A run started by `start`: its launcher process, its run folder, its metrics rows."""
+
+    def __init__(self, cfg: Config, proc: subprocess.Popen, scratch: Path, earlier_stamp: int | None):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.proc = proc
+        self.output_path = scratch / "launcher.log"  # the launcher's stdout and stderr
+        self._earlier_stamp = earlier_stamp  # config.yaml's mtime from an earlier run in this folder
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def output(self) -> str:
+        """What the launcher printed so far (the step lines, the start-up line, errors)."""
+        return self.output_path.read_text(errors="replace") if self.output_path.exists() else ""
+
+    def metrics(self) -> list[dict]:
+        """Every step's metrics row this run has written so far (`{run_dir}/metrics.jsonl`)."""
+        started = self.run_dir / "config.yaml"
+        # The launcher sets an earlier run's metrics.jsonl aside before it writes config.yaml.
+        if not started.exists() or started.stat().st_mtime_ns == self._earlier_stamp:
+            return []
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        lines = path.read_text().splitlines()
+        if lines and not lines[-1].endswith("}"):
+            lines.pop()  # a row being written
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def follow(self, poll_s: float = 0.5, timeout_s: float | None = None) -> Iterator[dict]:
+        """Yields each new metrics row as the learner writes it, until the run ends (or `timeout_s`)."""
+        seen = 0
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            done = not self.running
+            rows = self.metrics()
+            yield from rows[seen:]
+            seen = len(rows)
+            if done or (deadline is not None and time.monotonic() > deadline):
+                return
+            time.sleep(poll_s)
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Blocks until the launcher exits; its exit code. Raises subprocess.TimeoutExpired."""
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Ends the run as Ctrl-C does (every role torn down; exit code 130), killing it after `timeout_s`."""
+        if self.running:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                from asyncrl.launch.launcher import kill_tree
+
+                kill_tree(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start(config: Config | str | Path | None = None, overrides: Overrides = None) -> Run:
+    """Starts a run in the background with the launcher `asyncrl run` uses, and returns at once.
+    `config`: a Config from `load` (then `overrides` must be empty), a file, a shipped name or None."""
+    from asyncrl.config import Config, ConfigError, dump_yaml
+
+    if isinstance(config, Config):
+        if overrides:
+            raise ConfigError("start: give overrides to load(), not with a Config")
+        cfg = config
+    else:
+        cfg = load(config, overrides)
+    scratch = Path(tempfile.mkdtemp(prefix=f"asyncrl-{cfg.run.name}-"))
+    config_file = scratch / "config.yaml"
+    config_file.write_text(dump_yaml(cfg))
+    earlier = cfg.run_dir / "config.yaml"
+    earlier_stamp = earlier.stat().st_mtime_ns if earlier.exists() else None
+    with open(scratch / "launcher.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", str(config_file)], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return Run(cfg, proc, scratch, earlier_stamp)
