@@ -14,7 +14,7 @@ import torch
 
 from asyncrl.protocol import schema
 from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
-from tests.test_weight_push_vllm import PROMPTS, _hf_greedy, _vllm_greedy
+from tests.test_weight_push_vllm import PROMPTS, _hf_greedy, _vllm_greedy, join_group
 
 
 def _variant(tiny_model: str, out: Path, arch: str, tied: bool) -> str:
@@ -79,15 +79,7 @@ def test_direct_load_matches_hf_greedy_over_two_versions(make_cfg, tiny_model, t
         return stats
 
     async def scenario():
-        loop = asyncio.get_running_loop()
-        frames = {}
-        opened = loop.run_in_executor(None, sender.open_epoch, ["gtest.0"],
-                                      lambda info: frames.setdefault("epoch", schema.encode(info)),
-                                      lambda *a, **k: None)
-        while "epoch" not in frames:
-            await asyncio.sleep(0.01)
-        assert await engine.join(frames["epoch"], "gtest", 60)
-        assert await opened == ["gtest.0"]
+        await join_group(engine, sender)
         before = await _vllm_greedy(engine, tok, PROMPTS, 12)
         assert before == _hf_greedy(model, tok, PROMPTS, 12)
         for version, scale in ((1, 0.3), (2, 0.5)):
@@ -127,15 +119,8 @@ def test_auto_checks_the_plan_against_the_reload_then_loads_direct(make_cfg, tin
     results = []
 
     async def scenario():
+        await join_group(engine, sender)
         loop = asyncio.get_running_loop()
-        frames = {}
-        opened = loop.run_in_executor(None, sender.open_epoch, ["gtest.0"],
-                                      lambda info: frames.setdefault("epoch", schema.encode(info)),
-                                      lambda *a, **k: None)
-        while "epoch" not in frames:
-            await asyncio.sleep(0.01)
-        assert await engine.join(frames["epoch"], "gtest", 60)
-        await opened
         for version in (1, 2):
             torch.manual_seed(version)
             with torch.no_grad():

@@ -111,6 +111,7 @@ def test_vllm_matches_hf_greedy_after_push_of_the_tied_llama(make_cfg, smollm2):
     from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
     from generators.vllm_engine import VllmEngine
     from learners.trainer import tied_aliases
+    from tests.test_weight_push_vllm import join_group
 
     cfg = make_cfg(f"model.path={smollm2}", "generator.max_tokens=12", "generator.dtype=float32",
                    "generator.max_model_len=128", "data.chat_template=true")
@@ -143,15 +144,8 @@ def test_vllm_matches_hf_greedy_after_push_of_the_tied_llama(make_cfg, smollm2):
 
     async def scenario():
         before = await greedy()
+        await join_group(engine, sender)
         loop = asyncio.get_running_loop()
-        frames = {}
-        opened = loop.run_in_executor(None, sender.open_epoch, ["gtest.0"],
-                                      lambda info: frames.setdefault("epoch", schema.encode(info)),
-                                      lambda *a, **k: None)
-        while "epoch" not in frames:
-            await asyncio.sleep(0.01)
-        assert await engine.join(frames["epoch"], "gtest", 60)
-        assert await opened == ["gtest.0"]
         buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in wire.items()], 64 * 2**20)
         ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=1, epoch=sender.epoch,
                                         buckets=buckets, announced_at=time.time())

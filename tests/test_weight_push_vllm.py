@@ -40,6 +40,18 @@ async def _vllm_greedy(engine, tok, prompts, max_tokens):
     return outs
 
 
+async def join_group(engine, sender, gid: str = "gtest") -> None:
+    """Opens the sender's next epoch with the engine's one worker as its member and joins it."""
+    loop = asyncio.get_running_loop()
+    frames = {}
+    opened = loop.run_in_executor(None, sender.open_epoch, [f"{gid}.0"],
+                                  lambda info: frames.setdefault("epoch", schema.encode(info)), lambda *a, **k: None)
+    while "epoch" not in frames:
+        await asyncio.sleep(0.01)
+    assert await engine.join(frames["epoch"], gid, 60)
+    assert await opened == [f"{gid}.0"]
+
+
 def _dying_sender(epochs, go):
     """A learner process that opens an epoch, sends one bucket of garbage-free random weights of a
     bigger layout, then dies like kill -9."""
@@ -86,15 +98,8 @@ def test_vllm_matches_hf_greedy_after_push(make_cfg, tiny_model):
 
     async def scenario():
         before = await _vllm_greedy(engine, tok, PROMPTS, 12)
+        await join_group(engine, sender)
         loop = asyncio.get_running_loop()
-        frames = {}
-        opened = loop.run_in_executor(None, sender.open_epoch, ["gtest.0"],
-                                      lambda info: frames.setdefault("epoch", schema.encode(info)),
-                                      lambda *a, **k: None)
-        while "epoch" not in frames:
-            await asyncio.sleep(0.01)
-        assert await engine.join(frames["epoch"], "gtest", 60)
-        assert await opened == ["gtest.0"]
         buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in sd.items()], 256 * 1024)
         ann = schema.WeightAnnouncement(schema_version=schema.SCHEMA_VERSION, version=1, epoch=sender.epoch,
                                         buckets=buckets, announced_at=time.time())
