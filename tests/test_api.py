@@ -41,20 +41,20 @@ def test_start_refuses_overrides_beside_a_config():
 
 
 def _reward_module(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(
+    (tmp_path / "api_rewards.py").write_text(
         "def parity(completion, answer, **row):\n"
         "    return 0.75 if len(completion) % 2 else 0.25\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after the test
-    import my_rewards
+    import api_rewards
 
-    return my_rewards.parity
+    return api_rewards.parity
 
 
 def test_register_reward_names_a_module_function_and_puts_its_folder_on_the_path(tmp_path, monkeypatch):
     parity = _reward_module(tmp_path, monkeypatch)
     cfg = asyncrl.register_reward(asyncrl.load(), parity)
-    assert cfg.reward.function == "my_rewards:parity"
+    assert cfg.reward.function == "api_rewards:parity"
     assert str(tmp_path) in os.environ["PYTHONPATH"].split(os.pathsep)
 
     def local(completion, answer, **row):
