@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 class Push:
     version: int
     future: Future
-    slot: int
     started_at: float = field(default_factory=time.time)
 
 
@@ -44,8 +43,7 @@ class PushQueue:
         """Starts `send(*args)` (returns the bucket checksums) on the push thread; the previous push
         must have been collected (`collect`)."""
         assert self.inflight is None, "a push is still in flight"
-        slot = self.next_slot
-        self.inflight = Push(version, self._pool.submit(self._timed, send, *args), slot)
+        self.inflight = Push(version, self._pool.submit(self._timed, send, *args))
         self.next_slot ^= 1
 
     @staticmethod

@@ -682,21 +682,16 @@ class Learner:
 
     def _push_now(self, tensors, checksum: str, send_dev: torch.device) -> None:
         """Without the overlap (run.mode=sync, staleness 0, weights.overlap=false): the push on this
-        thread, waited for. Over gloo and NCCL the buckets stream (each gathered and packed while
-        earlier ones are on the wire, a large tensor sent from its own storage); over ipc the version is
-        staged into the one buffer members read from."""
+        thread, waited for (`WeightSender.broadcast`). Over gloo and NCCL the buckets stream (each
+        gathered and packed while earlier ones are on the wire, a large tensor sent from its own
+        storage); over ipc the version is staged into the one buffer members read from."""
         self._finish_push()
         ann = self._announcement(checksum)
         t_start = time.time()
         try:
-            if self.sender.backend == "ipc":
-                staged = self.sender.stage(self.buckets, pack_buckets(self.buckets, tensors, send_dev), checksum)
-                set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
-                sums = self.sender.send(self.buckets, staged, ann.version)
-            else:
-                set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
-                sums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev), checksum,
-                                             version=ann.version)
+            set_and_notify(self.client, self.keys, self.keys.wsync, schema.encode(ann), "weights")
+            sums = self.sender.broadcast(self.buckets, pack_buckets(self.buckets, tensors, send_dev), checksum,
+                                         version=ann.version)
         except RuntimeError as e:  # SyncTimeout too: a member died mid-push, a load failed, out of memory
             self._push_failed(ann.version, f"{type(e).__name__}: {e}")
             return
