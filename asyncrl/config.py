@@ -67,7 +67,11 @@ class RunConfig(Section):
     mode: Literal["async", "sync"] = "async"
     """sync: the lockstep baseline (asyncrl/modes.py)"""
     resume: bool = False
-    """launcher: keep the run's Redis state (and, with checkpoints, resume the learner)"""
+    """Continue the run of this name: the launcher keeps its Redis state (and, with checkpoints, the learner
+    resumes); a role started by hand continues a finished run instead of refusing it (asyncrl/protocol/identity.py)"""
+    reset: bool = False
+    """A role started by hand that finds a finished or foreign run of this name in Redis clears its keys and
+    starts afresh instead of refusing (a live run is always joined)"""
     stall_timeout_s: Annotated[float, NonNegative] = 300.0
     """Liveness watchdog (launcher): no trajectory, step or sync for this long is a stall. 0: off."""
     on_stall: Literal["warn", "fail"] = "warn"
@@ -616,6 +620,8 @@ class Config(Section):
              "and top_k=-1, or set algorithm.allow_truncated_sampling=true to accept the bias"),
             (not (self.reward.function and self.reward.model), "set reward.function or reward.model, not both"),
             (self.generator.num_generators >= 0, "generator.num_generators must be >= 0"),
+            (not (self.run.resume and self.run.reset), "run.resume=true continues the run and run.reset=true "
+             "clears it: set one of them"),
             (self.learner.batch_groups > 0, "learner.batch_groups must be > 0"),
             (self.learner.nproc >= 1, "learner.nproc must be >= 1"),
             (self.learner.batch_groups % self.learner.nproc == 0,
