@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,20 @@ def test_parse_delta(text, delta):
 def test_parse_delta_rejects(text):
     with pytest.raises(ValueError):
         parse_delta(text)
+
+
+def test_scripts_start_where_submit_ran_not_in_the_package(tmp_path):
+    """A config found by name from another directory: every job starts there (where the config's
+    relative paths point), never in the folder asyncrl is installed in."""
+    import asyncrl
+
+    work = tmp_path / "work"
+    work.mkdir()
+    res = subprocess.run([sys.executable, "-m", "asyncrl", "submit", "slurm", "tiny", "run.name=r1", "--dry-run"],
+                         cwd=work, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    scripts = res.stdout.split("# ---- ")[1:4]
+    package_root = str(Path(asyncrl.__file__).resolve().parents[1])
+    for script in scripts:
+        assert f"\ncd {work}\n" in script and f"cd {package_root}\n" not in script, script
+        assert f"{work}/runs/r1/config.yaml" in script

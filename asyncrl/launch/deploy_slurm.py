@@ -5,8 +5,11 @@
 - one job per generator (name `asyncrl-{run}-gen-{id}`), so `asyncrl scale` and `scancel` act on one
   generator: scale-down is `scancel --batch --signal=TERM` (the generator drains, then exits 0).
 
-Every job reads the resolved config from `{run_dir}/config.yaml`: the run directory (and the
-repository) must be on a filesystem all nodes share. Logs: `{run_dir}/logs/{role}-{jobid}.log`.
+Every job reads the resolved config from `{run_dir}/config.yaml` and runs in the directory `asyncrl
+submit` ran in, where the config's relative paths (`run.dir`, `model.path`, `data.path`) point; the
+run directory and that directory must be on a filesystem all nodes share, and the Python that
+submitted (`sys.executable`, with asyncrl installed in it, from a wheel or a checkout) must run on
+every node. Logs: `{run_dir}/logs/{role}-{jobid}.log`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from asyncrl.config import Config, dump_yaml
 log = logging.getLogger(__name__)
 
 TEMPLATES = Path(str(resources.files("asyncrl") / "templates" / "slurm"))  # package data: *.sbatch
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -48,7 +50,7 @@ def render(name: str, cfg: Config, plan: SlurmPlan, config_path: Path) -> str:
             "core": 0}[name]
     values = {
         "RUN": cfg.run.name, "RUN_DIR": str(run_dir), "LOGS": str(run_dir / "logs"), "CONFIG": str(config_path),
-        "PYTHON": sys.executable, "WORKDIR": str(REPO), "TIME": cfg.deploy.slurm_time,
+        "PYTHON": sys.executable, "WORKDIR": str(Path.cwd()), "TIME": cfg.deploy.slurm_time,
         "NODES": str(plan.learner_nodes), "NPROC": str(cfg.learner.nproc),
         "CPUS": str(cfg.learner.nproc if name == "learner" else cfg.generator.cpu_threads),
         # One learner node: its rendezvous stays on localhost; several: the first node of the allocation.
