@@ -99,7 +99,9 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["copy", "gsm8k", "prompts", "arith"] = "copy"
+    task: str = "copy"
+    """a built-in task (copy, arith, gsm8k, prompts; asyncrl/tasks/registry.py) or a task of your own,
+    `my_pkg.my_tasks:TASK` (a module-level asyncrl.Task every role imports; asyncrl.register_task)"""
     num_prompts: Annotated[int, AtLeastOne] = 1024
     """copy and arith tasks: training prompts drawn from run.seed"""
     alphabet: str = "abcdefgh"
@@ -124,9 +126,19 @@ class DataConfig(Section):
     """apply the tokenizer's chat template (plain text when it has none)"""
 
 
+def _reward_names() -> Any:
+    """The Literal of `reward.name`: the built-in tasks' rewards (asyncrl/tasks/registry.py) and the others."""
+    from asyncrl.tasks.registry import GENERIC_REWARDS, task_rewards
+
+    return Literal[(*task_rewards(), *GENERIC_REWARDS)]
+
+
+RewardName = _reward_names()
+
+
 class RewardConfig(Section):
-    name: Literal["copy", "gsm8k", "math", "exact_match", "format", "arith"] = "copy"
-    """registry: asyncrl/tasks/rewards.py"""
+    name: RewardName = "copy"
+    """each built-in task's reward under its name, and math, exact_match, format (asyncrl/tasks/rewards.py)"""
     function: str = ""
     """A user function `my_pkg.mod:score`, called score(completion, answer, **row) -> float; replaces `name`."""
     model: str = ""
@@ -181,6 +193,13 @@ class GeneratorConfig(Section):
     enable_prefix_caching: bool = True
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.5
     tensor_parallel_size: Annotated[int, AtLeastOne] = 1
+    max_num_seqs: Annotated[int, NonNegative] = 0
+    """sequences vLLM runs in one engine step; 0: vLLM's defaults for offline batch inference on this
+    device (1024 on a CUDA GPU of 70 GB or more, else 256), not its engine default of 128, which runs
+    a step's samples in waves (32 prompts x 8 samples are 256 sequences)"""
+    max_num_batched_tokens: Annotated[int, NonNegative] = 0
+    """tokens vLLM schedules in one engine step; 0: vLLM's defaults for offline batch inference on
+    this device (16384 on a CUDA GPU of 70 GB or more, 8192 on a smaller one, 4096 on the CPU)"""
     kv_cache_gb: Annotated[float, Positive] = 1.0
     """CPU build only: VLLM_CPU_KVCACHE_SPACE"""
     sleep: Literal["auto", "on", "off"] = "auto"
@@ -634,7 +653,6 @@ class Config(Section):
             (self.run.max_steps > 0, "run.max_steps must be > 0"),
             (self.weights.sync_every >= 1, "weights.sync_every must be >= 1"),
             (self.weights.bucket_mb > 0, "weights.bucket_mb must be > 0"),
-            (self.data.min_len <= self.data.max_len, "data.min_len must be <= data.max_len"),
             (self._tiny_shape_ok(), f"model.tiny_hidden_size ({self.model.tiny_hidden_size}) must be a multiple of 64 "
              f"with model.tiny_num_heads=0, else of model.tiny_num_heads ({self.model.tiny_num_heads}), which must be a "
              f"multiple of model.tiny_num_kv_heads ({self.model.tiny_num_kv_heads}); layers and sizes > 0"),
@@ -644,9 +662,6 @@ class Config(Section):
              f"buffer.replay_ratio={self.buffer.replay_ratio} only takes effect with buffer.sampling=replay "
              f"(got buffer.sampling={self.buffer.sampling})"),
             (self.buffer.redis_retry_s > 0, "buffer.redis_retry_s must be > 0"),
-            (self.data.task in ("copy", "arith") or bool(self.data.path),
-             f"data.path must name a parquet/jsonl file for data.task={self.data.task} "
-             "(e.g. run `asyncrl data gsm8k --src openai/gsm8k --out data/gsm8k`, then data.path=data/gsm8k/train.parquet)"),
             (self.eval.every >= 0 and self.eval.num_prompts > 0 and self.eval.k >= 0,
              "eval.every must be >= 0, eval.num_prompts > 0 and eval.k >= 0"),
             (not self.learner.optimizer_offload or self.learner.param_offload,
@@ -673,15 +688,10 @@ class Config(Section):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        if self.data.task == "arith":
-            from asyncrl.tasks.arith import check_settings
+        from asyncrl.tasks.registry import config_errors as task_errors  # data.task and its own settings
 
-            d = self.data
-            for message in check_settings(d.arith_ops, d.arith_min_digits, d.arith_max_digits, d.arith_prompt):
-                raise ConfigError(message)
-            if self.reward.name == "copy" and not (self.reward.function or self.reward.model):
-                raise ConfigError("data.task=arith is scored by reward.name=arith (the copy reward compares "
-                                  "letters): set reward.name=arith")
+        for message in task_errors(self):
+            raise ConfigError(message)
         for message in self.algorithm.config_errors():
             raise ConfigError(message)
         from asyncrl.modes import config_errors  # run.mode=sync cross-field checks

@@ -27,6 +27,7 @@ import re
 import zlib
 
 from asyncrl.tasks.math_reward import extract_boxed
+from asyncrl.tasks.registry import Task
 from asyncrl.tasks.synthetic import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -138,3 +139,16 @@ def arith_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's answer is exactly the integer `answer`, else 0.0."""
     found = extract_integer(completion)
     return float(found is not None and found == int(answer))
+
+
+def check(cfg) -> list[str]:
+    """Config errors of the arithmetic task: its `data.arith_*` settings, and a reward that can score it."""
+    d = cfg.data
+    errors = check_settings(d.arith_ops, d.arith_min_digits, d.arith_max_digits, d.arith_prompt)
+    if cfg.reward.name == "copy" and not (cfg.reward.function or cfg.reward.model):
+        errors.append("data.task=arith is scored by reward.name=arith (the copy reward compares letters): set "
+                      "reward.name=arith")
+    return errors
+
+
+TASK = Task("arith", train_rows=train_set, eval_rows=eval_set, reward=arith_reward, check=check)

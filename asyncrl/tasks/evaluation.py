@@ -14,12 +14,14 @@ Protocol (all under `asyncrl:{run}:`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from asyncrl.protocol import schema
-from asyncrl.tasks.synthetic import PromptRecord, copy_dataset
+from asyncrl.tasks.data import load_dataset_from_config
+from asyncrl.tasks.prompts import eval_set_path
+from asyncrl.tasks.registry import get_task
+from asyncrl.tasks.synthetic import PromptRecord
 
 EVAL_GROUP = "generators"  # consumer group on the eval_prompts stream
 
@@ -32,30 +34,13 @@ def eval_results_key(run: str) -> str:
     return f"asyncrl:{run}:eval_results"
 
 
-def eval_set_path(cfg) -> str:
-    """`eval.path`, or the test split beside `data.path` (train.parquet -> test.parquet)."""
-    if cfg.eval.path:
-        return cfg.eval.path
-    path = Path(cfg.data.path)
-    if "train" not in path.name:
-        raise ValueError(f"eval.path is empty and data.path={cfg.data.path!r} has no 'train' in its name to "
-                         "turn into the test split: set eval.path to the held-out file")
-    return str(path.with_name(path.name.replace("train", "test")))
-
-
 def load_eval_set(cfg) -> list[PromptRecord]:
-    """The first `eval.num_prompts` rows of the held-out set (the copy and arith tasks draw their own,
-    from another seed)."""
-    if cfg.data.task == "copy" and not cfg.eval.path:
-        return copy_dataset(cfg.eval.num_prompts, seed=cfg.run.seed + 104_729, alphabet=cfg.data.alphabet,
-                            min_len=cfg.data.min_len, max_len=cfg.data.max_len)
-    if cfg.data.task == "arith" and not cfg.eval.path:
-        from asyncrl.tasks.arith import eval_set
-
-        return eval_set(cfg)  # another seed, none of the training problems
-    from asyncrl.tasks.data import load_dataset_from_config
-
-    return load_dataset_from_config(cfg.data, path=eval_set_path(cfg), limit=cfg.eval.num_prompts)
+    """The first `eval.num_prompts` held-out rows: those of `eval.path` when it is set, else the task's
+    own (asyncrl/tasks/registry.py; the copy and arith tasks draw theirs from another seed)."""
+    task = get_task(cfg.data.task)
+    if cfg.eval.path or task.eval_rows is None:
+        return load_dataset_from_config(cfg.data, path=eval_set_path(cfg), limit=cfg.eval.num_prompts)
+    return task.eval_rows(cfg)[: cfg.eval.num_prompts]
 
 
 def round_id(version: int) -> str:

@@ -1,5 +1,8 @@
 """Rewards: rule-based ones by name, a user function by dotted path, or a reward model.
 
+The names: each built-in task's reward under the task's name (`copy`, `arith`, `gsm8k`; the task
+registry, asyncrl/tasks/registry.py), and `math` (the GSM8K check), `exact_match`, `format`.
+
 Each reward takes (completion text, reference answer) and returns a float. `reward.function=pkg.mod:fn`
 loads a user function called as fn(completion, answer, **row) (row: prompt, prompt_id, group_id);
 `reward.model=PATH` scores prompt+completion with a Hugging Face sequence-classification model, one
@@ -18,9 +21,8 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from asyncrl.tasks.arith import arith_reward
 from asyncrl.tasks.math_reward import MathReward, gsm8k_reward
-from asyncrl.tasks.synthetic import copy_reward
+from asyncrl.tasks.registry import task_rewards
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,8 @@ class FormatReward:
 
 
 REGISTRY: dict[str, RewardFn] = {
-    "arith": arith_reward,
-    "copy": copy_reward,
+    **task_rewards(),
     "exact_match": exact_match_reward,
-    "gsm8k": gsm8k_reward,
     "math": gsm8k_reward,
 }
 MATH_REWARDS = ("gsm8k", "math")
