@@ -24,7 +24,7 @@ from asyncrl.protocol.keys import PROMPT_GROUP, Keys, connect, log_event
 from asyncrl.protocol.notify import NotifyPipe, publish
 from asyncrl.protocol.retry import RETRYABLE
 from asyncrl.protocol.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
-from asyncrl.tasks.synthetic import PromptRecord, iter_epochs
+from asyncrl.tasks.synthetic import PromptRecord, copy_dataset, iter_epochs
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,18 @@ REFUSALS = {
 
 
 def load_prompts(cfg: Config) -> list[PromptRecord]:
-    """`data.task`'s training rows (asyncrl/tasks/registry.py)."""
-    from asyncrl.tasks.registry import train_rows
+    if cfg.data.task == "copy":
+        return copy_dataset(cfg.data.num_prompts, seed=cfg.run.seed, alphabet=cfg.data.alphabet,
+                            min_len=cfg.data.min_len, max_len=cfg.data.max_len)
+    if cfg.data.task == "arith":
+        from asyncrl.tasks.arith import train_set
 
-    return train_rows(cfg)
+        return train_set(cfg)
+    if cfg.data.task in ("gsm8k", "prompts"):
+        from asyncrl.tasks.data import load_dataset_from_config
+
+        return load_dataset_from_config(cfg.data)
+    raise AssertionError(cfg.data.task)
 
 
 def model_vocab_size(model_path: str) -> int | None:
@@ -147,10 +155,18 @@ class BufferService:
         self._cursor = (0, 0)  # (epoch, index) of the next release, as last read
         self._reject_logged: dict[str, float] = {}  # reason -> when last logged
         self._reject_unlogged: dict[str, int] = {}  # reason -> rejects since then
+        from asyncrl.observe.selfwatch import SelfWatch
+
+        # Its own stall check (asyncrl/observe/selfwatch.py), published with the metrics: no launcher needed.
+        self.watch = SelfWatch("buffer", cfg.run.stall_timeout_s, self.client, self.keys)
+        self._stored = 0  # groups stored or deduped when last looked: the buffer's progress
 
     # ---- set-up --------------------------------------------------------------------------------
 
     def setup(self) -> None:
+        from asyncrl.protocol.identity import claim
+
+        claim(self.client, self.keys, self.cfg, "buffer")  # a finished or foreign run of this name is refused
         ensure_groups(self.client, self.keys)
         self.client.hsetnx(self.keys.cursor, "epoch", 0)
         self.client.hsetnx(self.keys.cursor, "index", 0)
@@ -411,9 +427,41 @@ class BufferService:
                   "groups_per_s": (groups - groups0) / dt, "bytes_per_s": (nbytes - bytes0) / dt,
                   "oldest_age_s": oldest_age, "stream_len": self.client.xlen(self.keys.trajectories),
                   "instance": self.instance, "updated_at": time.time()}
-        self.client.hset(self.keys.metrics, mapping={f"buffer:{k}": v for k, v in fields.items()})
+        self.client.hset(self.keys.metrics, mapping={f"buffer:{k}": v for k, v in
+                                                     {**fields, **self.watch.fields()}.items()})
         if (exporter := getattr(self, "exporter", None)) is not None:  # started in setup()
             exporter.update(fields)
+
+    # ---- own stall check -----------------------------------------------------------------------
+
+    def _watch_progress(self) -> None:
+        """Progress is a group stored (or a re-sent one deduped); the clock starts once a generator
+        holds a version, before which nothing can arrive."""
+        stored = self.counters.get("groups", 0) + self.counters.get("dedupes", 0)
+        if stored != self._stored:
+            self._stored = stored
+            self.watch.progress()
+            return
+        if not self.watch.moved and not any(hb.version >= 0 for hb in read_fleet(self.client, self.keys).values()):
+            self.watch.hold()  # nobody can generate yet: not waiting on anyone
+            return
+        self.watch.check("no_trajectory", self._wait_reason)
+
+    def _wait_reason(self) -> str:
+        """What the buffer waits on: the learner (the admission budget is spent) or the generators."""
+        version = int(self.client.get(self.keys.version) or 0)
+        dropped = int(self.client.hget(self.keys.learner, "dropped_groups") or 0)
+        released = int(self.client.hget(self.keys.cursor, "released") or 0)
+        budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
+        backlog = group_lag(self.client, self.keys.prompts, PROMPT_GROUP)
+        leased = int(self.client.xpending(self.keys.prompts, PROMPT_GROUP)["pending"])
+        fleet = read_fleet(self.client, self.keys)
+        states = ", ".join(f"{g}={hb.state}@v{hb.version}" for g, hb in sorted(fleet.items())) or "none live"
+        if backlog == 0 and leased == 0 and released >= budget:
+            return (f"waiting for the learner: the admission budget is spent ({released} prompts released of "
+                    f"{budget} at learner version {version}) and no prompt is out; generators: {states}")
+        return (f"waiting for generators: no group arrived although {leased} prompts are leased and {backlog} "
+                f"wait to be leased ({released} released, learner at version {version}); generators: {states}")
 
     # ---- main loop -----------------------------------------------------------------------------
 
@@ -453,6 +501,7 @@ class BufferService:
             room = self.room()
             self._update_full(room)
             if now - last_metrics > 1.0:
+                self._watch_progress()
                 self.publish_metrics()
                 last_metrics = now
                 if self.client.exists(self.keys.stop):

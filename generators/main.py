@@ -92,6 +92,11 @@ class Generator:
         self.greedy_baseline = bool(ADVANTAGES.static_meta(cfg.algorithm.advantage).get("greedy_baseline"))
         self.sampling = schema.SamplingInfo(temperature=cfg.generator.temperature, top_p=cfg.generator.top_p,
                                             top_k=cfg.generator.top_k)
+        from asyncrl.observe.selfwatch import SelfWatch
+
+        # Its own stall check (asyncrl/observe/selfwatch.py), reported in its heartbeat: no launcher needed.
+        self.watch = SelfWatch(f"generator:{generator_id}", cfg.run.stall_timeout_s)
+        self._watched_groups = 0
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -100,6 +105,10 @@ class Generator:
 
         # Retries a lost Redis (restart) with backoff for buffer.redis_retry_s: every loop below rides it out.
         self.redis = await aconnect(self.cfg.buffer.redis_url, retry_s=self.cfg.buffer.redis_retry_s)
+        from asyncrl.protocol.identity import claim_from_config
+
+        # A finished or foreign run of this name is refused before anything of it is read.
+        await asyncio.to_thread(claim_from_config, self.cfg, f"generator {self.id}")
         self.notes = AsyncNotifications(self.cfg.buffer.redis_url, self.keys)  # its reader runs in run()
         from asyncrl.algorithms import sampling
 
@@ -140,6 +149,7 @@ class Generator:
         # tokens/s over the last 30 s (since start before that), not over one
         # heartbeat interval (the counter moves when a group finishes: most intervals would read 0)
         self._rate = self._rate_window.update({self.id: self.tokens}, now)
+        await self._watch_progress()
         proof = ""
         if (token := security.run_token(self.cfg)) is not None:  # the learner ignores generators without it
             proof = security.token_proof(token, self.id)
@@ -150,7 +160,7 @@ class Generator:
             sync_s_total=self.sync_s_total, last_pause_s=self.last_pause_s, num_syncs=self.num_syncs,
             **heartbeat_fields(self.cfg.generator), checksums=list(self.last_checksums), pid=os.getpid(),
             host=socket.gethostname(), node=fleet.node_id(), updated_at=time.time(), schema_version=schema.SCHEMA_VERSION,
-            token_proof=proof).to_hash()
+            token_proof=proof, **self.watch.fields()).to_hash()
         key = self.keys.gen(self.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
@@ -158,6 +168,35 @@ class Generator:
             await pipe.execute()
         if (exporter := getattr(self, "exporter", None)) is not None:  # started in start()
             exporter.update(fields)
+
+    async def _watch_progress(self) -> None:
+        """Progress is a group pushed; a wait past run.stall_timeout_s is reported once (log, event,
+        heartbeat) with what it waits on, read from this generator's own state."""
+        if self.groups != self._watched_groups:
+            self._watched_groups = self.groups
+            if (done := self.watch.progress()) is not None:
+                await self.redis.xadd(self.keys.events, {"kind": "stall_resolved", "role": done.role, "what": done.what,
+                                                         "t": f"{time.time():.3f}"}, maxlen=10_000, approximate=True)
+            return
+        if self.state in ("starting", "draining"):
+            self.watch.hold()
+            return
+        if (stall := self.watch.check("no_group", self._wait_reason)) is not None:
+            await self.redis.xadd(self.keys.events, {"kind": "stall", "role": stall.role, "what": stall.what,
+                                                     "since_s": f"{stall.since_s:.1f}", "reason": stall.reason,
+                                                     "source": "self", "t": f"{time.time():.3f}"},
+                                  maxlen=10_000, approximate=True)
+
+    def _wait_reason(self) -> str:
+        if self.version < 0:
+            return "waiting for weights: it holds no policy version until the learner's next broadcast reaches it"
+        unconfirmed = len(getattr(self, "outbox", ()) or ())
+        if unconfirmed:
+            return (f"waiting for the buffer: {unconfirmed} pushed groups not confirmed as ingested (is the buffer "
+                    "up, or full?)")
+        if self.inflight:
+            return f"waiting for the engine: {len(self.inflight)} groups in generation, none finished"
+        return "waiting for prompts: none to lease (the buffer released none: its admission budget waits on the learner)"
 
     async def heartbeat_loop(self) -> None:
         while True:

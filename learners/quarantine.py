@@ -12,7 +12,10 @@ every restart again. Instead it is:
   group, so poison cannot starve the pipe;
 - counted: `quarantined` in the `learner` hash (what `asyncrl status` shows), the step's metrics row,
   and one `quarantine` event per group.
-The same screen runs on the recovery path (groups delivered before a restart, never acked).
+The same screen runs on the recovery path (groups delivered before a restart, never acked), and
+both paths read an entry the same way (`Quarantine.entry`): an entry deleted from the stream after
+delivery (no fields at all) is acked, since there is nothing to train or keep; one that has fields
+but no `data`, or whose frame does not decode (another schema version included), is quarantined.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Quarantine:
     def __init__(self, client, keys: Keys, limits: schema.RunLimits):
         self.client, self.keys, self.limits = client, keys, limits
         self.num = 0  # moved by this process (the `learner` hash holds the run's total)
+        self.num_deleted = 0  # entries found deleted from the stream (acked)
 
     def problem(self, group: schema.TrajectoryGroup) -> schema.FrameError | None:
         """What makes `group` untrainable here, or None. The wire checks run again: an entry may not
@@ -68,17 +72,25 @@ class Quarantine:
                 self.put(entry_id, group.group_id, error, schema.encode(group))
         return keep
 
+    def entry(self, entry_id, fields) -> schema.TrajectoryGroup | None:
+        """A stream entry's group, or None when it is not trainable: deleted from the stream after
+        delivery (no fields: acked, counted in `num_deleted`), or quarantined (`decode`)."""
+        if not fields:
+            self.client.xack(self.keys.trajectories, LEARNER_GROUP, entry_id)
+            self.num_deleted += 1
+            return None
+        return self.decode(entry_id, fields.get(b"data"))
+
     def decode(self, entry_id, frame: bytes | None) -> schema.TrajectoryGroup | None:
-        """A stored frame decoded, or None after quarantining it. A frame of another schema version is
-        re-raised: the whole stream then belongs to another asyncrl (a clear error at start, not poison)."""
+        """A stored frame decoded, or None after quarantining it: no frame, bad bytes, or a frame of
+        another schema version (one such entry is poison like any other; a whole run written by
+        another asyncrl is refused at start by its identity, asyncrl/protocol/identity.py)."""
         if frame is None:
             self.put(entry_id, "", schema.FrameError("missing", "entry has no data field"), b"")
             return None
         try:
             return schema.decode(frame, schema.TrajectoryGroup)
         except schema.FrameError as e:
-            if e.reason == "schema_version":
-                raise
             self.put(entry_id, "", e, bytes(frame))
             return None
 

@@ -45,6 +45,7 @@ class _Entry:
     entry_id: bytes
     group: schema.TrajectoryGroup
     min_version: int
+    max_version: int
     uses: int = 0
 
 
@@ -81,6 +82,7 @@ class TrajectoryReader:
         self.num_replayed = 0
         self.num_replay_expired = 0
         self.num_rescued = 0
+        self.num_dropped_ahead = 0  # of num_dropped_stale: sampled by versions this learner has not reached
 
     # ---- Redis -----------------------------------------------------------------------------------
 
@@ -108,36 +110,41 @@ class TrajectoryReader:
     def _admit(self, raw: list[tuple[bytes, dict]]) -> None:
         redelivered = []
         for entry_id, fields in raw:
-            data = fields.get(b"data") if fields else None
-            if data is None:  # trimmed meanwhile
-                redelivered.append(entry_id)
-                continue
             if self.quarantine is not None:
-                group = self.quarantine.decode(entry_id, data)  # None: moved to the dead-letter stream
+                # Deleted entries acked, undecodable ones quarantined: the same as on the recovery path.
+                group = self.quarantine.entry(entry_id, fields)
                 if group is None:
                     continue
             else:
+                data = fields.get(b"data") if fields else None
                 try:
+                    if data is None:
+                        raise schema.FrameError("missing", "entry has no data field")
                     group = schema.decode(data, schema.TrajectoryGroup)
                 except schema.FrameError as e:  # the buffer validated it; a corrupt entry is skipped, loudly
-                    log.error("undecodable trajectory entry %s skipped: %s", entry_id, e)
+                    log.error("unreadable trajectory entry %s skipped: %s", entry_id, e)
                     redelivered.append(entry_id)
                     continue
             if group.group_id in self.handed_groups:
                 redelivered.append(entry_id)
                 continue
-            self.pool.append(_Entry(entry_id, group, group.min_version()))
+            self.pool.append(_Entry(entry_id, group, group.min_version(), group.max_version()))
         if redelivered:
             self.num_redelivered += len(redelivered)
             self.client.xack(self.keys.trajectories, LEARNER_GROUP, *redelivered)
-            log.warning("acked %d trajectory entries delivered again (already trained, trimmed or corrupt)",
+            log.warning("acked %d trajectory entries delivered again (already trained) or unreadable",
                         len(redelivered))
 
     def _drop_stale(self, version: int) -> int:
-        keep, stale = [], []
+        keep, stale, ahead = [], [], 0
         for e in self.pool:
+            # A token from a version this learner has not reached was sampled by weights it never had (an
+            # older run's state, or updates lost with a checkpoint): never trained, so a lag is never negative.
+            if e.max_version > version:
+                ahead += 1
+                stale.append(e.entry_id)
             # Staleness rule: a group whose oldest token lags more than max_staleness is not trained on.
-            if version - e.min_version <= self.max_staleness:
+            elif version - e.min_version <= self.max_staleness:
                 keep.append(e)
             elif e.uses == 0:
                 stale.append(e.entry_id)
@@ -148,7 +155,11 @@ class TrajectoryReader:
             return 0
         ack_dropped(self.client, self.keys, stale)
         self.num_dropped_stale += len(stale)
-        log_event(self.client, self.keys, "drop_stale", num=len(stale), version=version)
+        if ahead:
+            self.num_dropped_ahead += ahead
+            log.warning("dropped %d trajectory groups sampled by versions ahead of this learner's %d (not trained; "
+                        "they come from weights this learner never had)", ahead, version)
+        log_event(self.client, self.keys, "drop_stale", num=len(stale), version=version, ahead=ahead)
         return len(stale)
 
     # ---- strategy --------------------------------------------------------------------------------
@@ -199,4 +210,4 @@ class TrajectoryReader:
     def stats(self) -> dict[str, int]:
         return {"dropped_stale": self.num_dropped_stale, "redelivered": self.num_redelivered,
                 "replayed": self.num_replayed, "replay_expired": self.num_replay_expired,
-                "rescued": self.num_rescued, "pool": len(self.pool)}
+                "rescued": self.num_rescued, "dropped_ahead": self.num_dropped_ahead, "pool": len(self.pool)}

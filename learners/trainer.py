@@ -263,6 +263,9 @@ class Learner:
         cfg = self.cfg
         self.keys = Keys(cfg.run.name)
         self.client = connect(cfg.buffer.redis_url)
+        from asyncrl.protocol.identity import claim
+
+        claim(self.client, self.keys, cfg, "learner")  # a finished or foreign run of this name is refused
         ensure_groups(self.client, self.keys)  # idempotent; the learner may start before the buffer
         self.client.delete(self.keys.stop, self.keys.stop_request)
         from asyncrl.algorithms import sampling
@@ -315,30 +318,42 @@ class Learner:
         self.unacked: list = []
         self.weight_check = fleet_rules.WeightCheck()  # what we broadcast per version against what generators report
         self.dropped_zero_var = 0
+        from asyncrl.observe.selfwatch import SelfWatch
+
+        # Its own stall check (asyncrl/observe/selfwatch.py): a learner started by hand has no launcher watchdog.
+        self.watch = SelfWatch("learner", cfg.run.stall_timeout_s, self.client, self.keys,
+                               publish=lambda f: self.client.hset(self.keys.learner, mapping=f))
+        self.client.hset(self.keys.learner, mapping=self.watch.fields())  # a restart clears an old report
         self._recover_pending()
 
     def _recover_pending(self) -> None:
         """After a restart, trajectories delivered to us but never acked (their update was not in a
-        durable checkpoint) come first, in their original order. They pass the same screen as a fresh
-        read (learners/quarantine.py): a poison group left pending by a crash is moved aside, not
-        trained first and crashed on again."""
+        durable checkpoint) come first, in their original order. They are read and screened exactly
+        as a fresh read is (learners/quarantine.py): a poison group left pending by a crash is moved
+        aside, not trained first and crashed on again; an entry deleted from the stream is acked; a
+        group sampled by versions ahead of this learner's is dropped like the reader drops it. The
+        log line says how many of each."""
         quarantine = self._quarantine()
         reply = self.client.xreadgroup(LEARNER_GROUP, "learner-0", {self.keys.trajectories: "0"}, count=100_000)
         entries = reply[0][1] if reply else []
-        recovered = []
-        for entry_id, fields in entries:
-            if fields:
-                try:
-                    group = quarantine.decode(entry_id, fields.get(b"data"))
-                except schema.FrameError:  # another schema version: the clear error, not poison
-                    _decode_stored(fields[b"data"], schema.TrajectoryGroup, "an unacked trajectory group")
-                    raise
-                if group is not None:
-                    recovered.append((entry_id, group))
-        self.pending.extend(quarantine.screen(recovered))
-        if entries:
-            log.warning("re-training %d trajectory groups delivered before the restart but never acked", len(entries))
-            log_event(self.client, self.keys, "redeliver", num=len(entries))
+        if not entries:
+            return
+        moved0, deleted0 = quarantine.num, quarantine.num_deleted
+        read = [(entry_id, g) for entry_id, fields in entries if (g := quarantine.entry(entry_id, fields)) is not None]
+        screened = quarantine.screen(read)
+        keep = [(e, g) for e, g in screened if g.max_version() <= self.version]
+        ahead = [e for e, g in screened if g.max_version() > self.version]
+        if ahead:
+            ack_dropped(self.client, self.keys, ahead)
+            self.dropped_stale += len(ahead)
+        self.pending.extend(keep)
+        quarantined, deleted = quarantine.num - moved0, quarantine.num_deleted - deleted0
+        log.warning("%d trajectory groups were delivered before the restart but never acked: re-training %d, "
+                    "quarantined %d (see %s), %d deleted from the stream, %d dropped as sampled by versions "
+                    "ahead of this learner's %d", len(entries), len(keep), quarantined, self.keys.quarantine,
+                    deleted, len(ahead), self.version)
+        log_event(self.client, self.keys, "redeliver", num=len(keep), quarantined=quarantined, deleted=deleted,
+                  ahead=len(ahead))
 
     def _quarantine(self):
         """The screen every group passes before a batch (learners/quarantine.py), built on first use."""
@@ -408,10 +423,12 @@ class Learner:
                 batch, self.pending = self.pending[:need], self.pending[need:]
                 self._milestone("first batch")
                 self.batch_entries = [e for e, _ in batch]
+                self.watch.progress()
                 self.batch_groups = [g for _, g in batch]
                 return TRAIN, msgspec.msgpack.encode([schema.encode(g) for g in self.batch_groups])
             self.idle_s += time.monotonic() - t0
             self.data_wait_s += time.monotonic() - t0
+            self.watch.check("no_step", lambda: self._data_wait_reason(need))
             # A push that finished (or failed: the group is dropped, and re-formed just below) while we wait:
             # generators whose load failed hold no version and send nothing until the group is re-formed.
             self._finish_push(block=False)
@@ -419,6 +436,16 @@ class Learner:
                 self.last_fleet_check = time.monotonic()
                 if self.fleet_needs_sync():
                     return SYNC, b""
+
+    def _data_wait_reason(self, need: int) -> str:
+        """What a learner waiting for data waits on, for its stall report."""
+        fleet = self.read_fleet()
+        states = ", ".join(f"{g}={hb.state}@v{hb.version}" for g, hb in sorted(fleet.items())) or "none live"
+        depth = group_lag(self.client, self.keys.trajectories, LEARNER_GROUP)
+        at = self.client.hget(self.keys.metrics, "buffer:updated_at")
+        buffer = f"the buffer published {time.time() - float(at):.0f}s ago" if at else "no buffer has published"
+        return (f"waiting for data: {len(self.pending)} of learner.batch_groups {need} groups in hand, {depth} "
+                f"undelivered in the stream, learner at version {self.version}; {buffer}; generators: {states}")
 
     # ---- all ranks ---------------------------------------------------------------------------------
 
@@ -470,7 +497,12 @@ class Learner:
             export_hf(self.cfg.run_dir / "hf-final", self.cfg.model_path, self.full_tensors(), self.rank,
                       self.wire_dtype)
         if self.rank == 0:
-            self.client.set(self.keys.stop, f"{time.time():.3f}")
+            from asyncrl.protocol.identity import mark_finished
+
+            pipe = self.client.pipeline(transaction=True)  # the stop key and the run's finished state together
+            pipe.set(self.keys.stop, f"{time.time():.3f}")
+            mark_finished(pipe, self.keys, self.version)
+            pipe.execute()
             log_event(self.client, self.keys, "learner_done", version=self.version)
         dist.barrier()
 

@@ -80,10 +80,19 @@ def cmd_run(args) -> int:
     return launch(cfg)  # the Python API's launcher: preflight, then every role, supervised
 
 
+def _claim(cfg, role: str) -> None:
+    """Joins (or creates, resumes, resets) the run in Redis before anything else is read there; a
+    finished or foreign run of the same name is one line and exit 2 (asyncrl/protocol/identity.py)."""
+    from asyncrl.protocol.identity import claim_from_config
+
+    claim_from_config(cfg, role)
+
+
 def cmd_buffer(args) -> int:
     cfg = _load(args)
     _pin(cfg, ("buffer",))
     _preflight(cfg, model=False)
+    _claim(cfg, "buffer")
     from buffers.service import main
 
     main(cfg)
@@ -94,6 +103,7 @@ def cmd_generator(args) -> int:
     cfg = _load(args)
     _pin(cfg, ("generator",))
     _preflight(cfg)
+    _claim(cfg, f"generator {args.id}")
     from asyncrl.launch.launcher import ensure_model
     from generators.main import main
 
@@ -111,6 +121,7 @@ def cmd_learner(args) -> int:
     _pin(cfg, ("learner",))  # torchrun and its ranks inherit the mask and OMP_NUM_THREADS
     if "RANK" not in os.environ:
         _preflight(cfg)
+        _claim(cfg, "learner")
     from asyncrl.launch.launcher import ensure_model, learner_command
 
     ensure_model(cfg)

@@ -158,6 +158,9 @@ class Launcher:
             if cfg.checkpoint_dir.exists() and not cfg.checkpoint.dir:
                 # A fresh run must not resume an earlier run's checkpoints; keep them aside.
                 cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
+        from asyncrl.protocol.identity import claim
+
+        claim(client, keys, cfg, "launcher")  # a fresh run creates its identity; run.resume continues a finished one
         client.delete(keys.stop)
         from asyncrl.observe import timeline
 

@@ -40,7 +40,8 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
         gens.append({"id": gid, "state": hb.state, "version": hb.version, "tokens_per_s": hb.tokens_per_s,
                      "idle_ratio": hb.idle_ratio, "groups": hb.groups,
                      "heartbeat_age_s": now - (hb.updated_at or now), "pid": hb.pid, "host": hb.host,
-                     "metrics_url": exporters.get(f"generator:{gid}")})
+                     "metrics_url": exporters.get(f"generator:{gid}"),
+                     "_stall": {"stall": hb.stall, "stall_what": hb.stall_what, "stall_since": str(hb.stall_since)}})
     lh = _dec(client.hgetall(keys.learner))
     learner = {"step": int(_num(lh.get("step"), 0)), "version": int(_num(client.get(keys.version), 0)),
                "tokens_per_s": _num(lh.get("tokens_per_s"), 0.0), "idle_ratio": _num(lh.get("idle_ratio"), 0.0),
@@ -74,7 +75,13 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
     for entry_id, fields in client.xrevrange(keys.events, count=num_events):
         f = _dec(fields)
         events.append({"id": entry_id.decode(), "kind": f.pop("kind", "?"), "t": _num(f.pop("t", None)), **f})
-    stalls = [asdict(s) for s in watchdog.evaluate(now)] if watchdog is not None else []
+    stalls = [{**asdict(s), "source": "watchdog"} for s in watchdog.evaluate(now)] if watchdog is not None else []
+    # Each role's own report (asyncrl/observe/selfwatch.py): what it waits on, also for roles started by hand.
+    from asyncrl.observe.selfwatch import reported
+
+    own = [reported(f"generator:{g['id']}", g.pop("_stall"), now) for g in gens]
+    own += [reported("learner", lh, now), reported("buffer", bm, now)]
+    stalls += [r for r in own if r is not None]
     return {"run": keys.run, "time": now, "num_generators": len(gens), "generators": gens, "learner": learner,
             "buffer": buffer, "lag": {"batches": len(batches), "hist": dict(sorted(hist.items(), key=lambda kv:
                                                                                   int(kv[0])))},
@@ -129,6 +136,7 @@ def render(snap: dict):
         parts.append(Panel(timeline.describe(snap["startup"]), title="start-up"))
     if snap["stalls"]:
         parts.insert(0, Panel("\n".join(f"{s['role']}: {s['what']} for {s['since_s']:.0f}s: {s['reason']}"
+                                        f"{' (its own report)' if s.get('source') == 'self' else ''}"
                                         for s in snap["stalls"]), title="STALLED", style="bold red"))
     state = " (ended)" if snap.get("ended") else (" (stopped)" if snap["stopped"] else "")
     return Panel(Group(*parts), title=f"asyncrl run {snap['run']}{state}")

@@ -115,6 +115,16 @@ class Keys:
         return self._k("quarantine")
 
     @property
+    def identity(self) -> str:
+        """Hash: who started the run and whether it is live or finished (asyncrl/protocol/identity.py)."""
+        return self._k("run")
+
+    @property
+    def claim_lock(self) -> str:
+        """Held for a moment while a role claims the run (asyncrl/protocol/identity.py)."""
+        return self._k("claim_lock")
+
+    @property
     def lag_history(self) -> str:
         """List (newest first, capped): one JSON version-lag histogram per trained batch."""
         return self._k("lag_history")

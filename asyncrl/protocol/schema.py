@@ -86,6 +86,9 @@ class TrajectoryGroup(msgspec.Struct, tag="trajectory_group"):
     def min_version(self) -> int:
         return min(int(unpack_i32(s.versions).min()) for s in self.samples if s.num_tokens)
 
+    def max_version(self) -> int:
+        return max(int(unpack_i32(s.versions).max()) for s in self.samples if s.num_tokens)
+
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
 
@@ -378,6 +381,9 @@ class Heartbeat(msgspec.Struct):
     updated_at: float = 0.0  # wall-clock seconds
     schema_version: int = 1
     token_proof: str = ""  # asyncrl/protocol/security.py token_proof; empty in a run without a run token
+    stall: str = ""  # its own stall report (asyncrl/observe/selfwatch.py): the STALL line; empty while it moves
+    stall_what: str = ""
+    stall_since: float = 0.0  # wall-clock seconds of its last progress, while stalled
 
     def to_hash(self) -> dict[str, str | int | float]:
         """The Redis hash mapping: unset optional fields are left out, checksums comma-joined."""
