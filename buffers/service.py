@@ -24,7 +24,7 @@ from asyncrl.protocol.keys import PROMPT_GROUP, Keys, connect, log_event
 from asyncrl.protocol.notify import NotifyPipe, publish
 from asyncrl.protocol.retry import RETRYABLE
 from asyncrl.protocol.store import LEARNER_GROUP, dedupe_append, ensure_groups, group_lag, oldest_unacked_ms
-from asyncrl.tasks.synthetic import PromptRecord, copy_dataset, iter_epochs
+from asyncrl.tasks.synthetic import PromptRecord, iter_epochs
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,10 @@ REFUSALS = {
 
 
 def load_prompts(cfg: Config) -> list[PromptRecord]:
-    if cfg.data.task == "copy":
-        return copy_dataset(cfg.data.num_prompts, seed=cfg.run.seed, alphabet=cfg.data.alphabet,
-                            min_len=cfg.data.min_len, max_len=cfg.data.max_len)
-    if cfg.data.task == "arith":
-        from asyncrl.tasks.arith import train_set
+    """`data.task`'s training rows (asyncrl/tasks/registry.py)."""
+    from asyncrl.tasks.registry import train_rows
 
-        return train_set(cfg)
-    if cfg.data.task in ("gsm8k", "prompts"):
-        from asyncrl.tasks.data import load_dataset_from_config
-
-        return load_dataset_from_config(cfg.data)
-    raise AssertionError(cfg.data.task)
+    return train_rows(cfg)
 
 
 def model_vocab_size(model_path: str) -> int | None:
