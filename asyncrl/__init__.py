@@ -6,10 +6,14 @@ imported only when first used, so that `import asyncrl` (and `asyncrl --help`) s
 
 __version__ = "0.1.0"
 
-__all__ = ["Run", "launch", "load", "register_reward", "start"]
+__all__ = ["PromptRecord", "Run", "Task", "launch", "load", "register_reward", "register_task", "start"]
 
 
 def __getattr__(name: str):
+    if name in ("Task", "PromptRecord"):  # what a task of your own is made of (asyncrl/tasks/registry.py)
+        from asyncrl.tasks import registry, synthetic
+
+        return registry.Task if name == "Task" else synthetic.PromptRecord
     if name in __all__ or name == "api":
         import importlib
 

@@ -2,6 +2,7 @@
 
     import asyncrl
     cfg = asyncrl.load("tiny", {"run.max_steps": 5})     # a file, a shipped config's name, or None
+    cfg = asyncrl.register_task(cfg, my_tasks.TASK)      # optional: a task of your own (asyncrl.Task)
     run = asyncrl.start(cfg)                             # the launcher, in a process of its own
     for row in run.follow():                             # each learner step's metrics row
         print(row["step"], row["reward_mean"])
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.tasks.registry import Task
 
 Overrides = Sequence[str] | Mapping[str, Any] | None
 
@@ -58,27 +60,63 @@ def load(config: str | Path | None = None, overrides: Overrides = None) -> Confi
     return load_config(config, _override_list(overrides))
 
 
+def _module_on_path(module_name: str) -> None:
+    """Puts the folder `module_name` is imported from on PYTHONPATH, which every role of a run started
+    from this process inherits."""
+    root = Path(sys.modules[module_name].__file__).resolve().parent
+    for _ in module_name.split(".")[1:]:  # a package's module: the folder above the package
+        root = root.parent
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(root) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *paths])
+
+
 def register_reward(cfg: Config, fn: Callable[..., float]) -> Config:
     """Makes `fn(completion, answer, prompt=, prompt_id=, group_id=) -> float` the run's reward
     (`reward.function=module:fn`). Generators are processes of their own that import it by name, so
     `fn` must live in a module file (not a notebook cell or the script being run); its folder is put
     on this process's PYTHONPATH, which every role of a run started here inherits. Returns `cfg`, changed."""
     from asyncrl.config import ConfigError
+    from asyncrl.tasks.registry import module_function
 
-    module = sys.modules.get(fn.__module__)
-    if fn.__module__ == "__main__" or module is None or not getattr(module, "__file__", None):
-        raise ConfigError(f"register_reward: {fn.__qualname__} is defined in {fn.__module__!r}, which a generator "
-                          f"process cannot import; put it in a module file (e.g. my_rewards.py) and import it")
-    if "." in fn.__qualname__ or "<" in fn.__qualname__:
-        raise ConfigError(f"register_reward: {fn.__qualname__} is not a module-level function")
-    cfg.reward.function = f"{fn.__module__}:{fn.__qualname__}"
-    root = Path(module.__file__).resolve().parent
-    for _ in fn.__module__.split(".")[1:]:  # a package's module: the folder above the package
-        root = root.parent
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(root) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *paths])
+    try:
+        cfg.reward.function = module_function(fn, "register_reward")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _module_on_path(fn.__module__)
     return cfg
+
+
+def register_task(cfg: Config, task: Task) -> Config:
+    """Makes `task` (an `asyncrl.Task`: training rows, held-out rows, reward, settings check) the run's
+    task: `data.task=module:NAME`, and its reward `reward.function` unless a reward function or model
+    is set. Every role imports the task by that name, so the `Task` must be a module-level name of a
+    module file, beside its functions; the module's folder is put on PYTHONPATH as for
+    `register_reward`. The config is checked again (the task's own check included). Returns `cfg`, changed."""
+    from asyncrl.config import ConfigError
+    from asyncrl.tasks.registry import Task
+
+    if not isinstance(task, Task):
+        raise ConfigError(f"register_task: expected an asyncrl.Task, got {type(task).__name__}")
+    spec = _module_name_of(task)
+    if spec is None:
+        raise ConfigError(f"register_task: task {task.name!r} is not a module-level name of the module file its "
+                          "functions live in (e.g. TASK = Task(...) in my_tasks.py, imported from there)")
+    _module_on_path(spec.partition(":")[0])
+    cfg.data.task = spec
+    return cfg.validate()
+
+
+def _module_name_of(task: Any) -> str | None:
+    """`module:NAME` where `module` (one of those the task's functions come from, a file) binds NAME to `task`."""
+    for fn in (task.train_rows, task.eval_rows, task.reward, task.check):
+        module = sys.modules.get(getattr(fn, "__module__", None) or "")
+        if module is None or module.__name__ == "__main__" or not getattr(module, "__file__", None):
+            continue
+        name = next((k for k, v in vars(module).items() if v is task), None)
+        if name is not None:
+            return f"{module.__name__}:{name}"
+    return None
 
 
 def launch(cfg: Config) -> int:
