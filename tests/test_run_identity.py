@@ -5,6 +5,7 @@ lag), and every unreadable trajectory entry, another schema version included, is
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -188,3 +189,72 @@ def test_the_buffer_reports_its_own_stall_with_what_it_waits_on(tmp_path, redis_
     finally:
         svc.stop()
         t.join(10)
+
+
+@pytest.mark.slow
+def test_a_learner_resuming_an_old_runs_redis_trains_no_leftover_reports_its_stall_and_quarantines(tmp_path,
+                                                                                                   tiny_model):
+    """A learner started by hand, no launcher, on the Redis of a finished run of the same name with
+    run.resume=true: the old run's leftover groups (sampled at version 29) are dropped, not trained at
+    a negative lag; a group of another schema version, fresh and pending from before the restart, is
+    quarantined and the learner goes on; when its data stops it reports its own stall within
+    run.stall_timeout_s; more data, and it finishes."""
+    import time
+
+    from asyncrl.config import load_config
+    from asyncrl.launch.redis_server import LocalRedis
+    from asyncrl.observe.status import snapshot
+    from tests.helpers import fixed_groups
+
+    timeout_s = 4.0
+    with LocalRedis(tmp_path / "redis") as redis:
+        cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.name=old", "run.max_steps=2",
+                                 f"model.path={tiny_model}", f"buffer.redis_url={redis.url}",
+                                 "learner.batch_groups=2", "algorithm.max_staleness=1000",
+                                 "checkpoint.export_hf=false", f"run.stall_timeout_s={timeout_s}",
+                                 "run.resume=true"])
+        path = tmp_path / "old.yaml"
+        path.write_text(dump_yaml(cfg))
+        client, keys = connect(redis.url), Keys("old")
+        _finished_run(client, keys, cfg, leftovers=3)
+        v3 = _other_schema(make_group("v3@e0"), schema.SCHEMA_VERSION + 1)
+        client.xadd(keys.trajectories, {"data": v3})
+        client.xreadgroup(LEARNER_GROUP, "learner-0", {keys.trajectories: ">"})  # pending, as a crash leaves them
+        client.xadd(keys.trajectories, {"data": v3})  # and one on the fresh path
+        good = fixed_groups(4)
+        for g in good[:2]:
+            client.xadd(keys.trajectories, {"data": schema.encode(g)})
+        log_path = tmp_path / "learner.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "learner", str(path)], stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            try:
+                assert wait_for(lambda: int(client.hget(keys.learner, "step") or 0) == 1, timeout=300), \
+                    log_path.read_text()[-3000:]
+                stepped = time.time()
+                assert wait_for(lambda: client.hget(keys.learner, "stall"), timeout=timeout_s + 10)
+                reported_after = time.time() - stepped
+                line = client.hget(keys.learner, "stall").decode()
+                assert line.startswith("STALL learner: no_step") and "waiting for data" in line, line
+                own = [s for s in snapshot(client, keys, cfg)["stalls"] if s["source"] == "self"]
+                assert [s["role"] for s in own] == ["learner"]
+                for g in good[2:]:
+                    client.xadd(keys.trajectories, {"data": schema.encode(g)})
+                assert proc.wait(timeout=300) == 0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        text = log_path.read_text()
+        assert "STALL learner: no_step" in text and "moves again" in text
+        assert reported_after < timeout_s + 3, reported_after
+        rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all(r["lag_max"] >= 0 and min(int(k) for k in r["lag_hist"]) >= 0 for r in rows)
+        assert {g for r in rows for g in r["generators_in_batch"]} == {good[0].generator_id}
+        assert rows[-1]["quarantined"] == 2 and rows[-1]["dropped_stale"] == 3
+        reasons = [f[b"reason"] for _, f in client.xrange(keys.quarantine)]
+        assert reasons == [b"schema_version", b"schema_version"], reasons
+        assert "re-training 0, quarantined 1" in text, text[-3000:]
+        assert client.xpending(keys.trajectories, LEARNER_GROUP)["pending"] == 0
+        assert identity.read(client, keys)["state"] == "finished"
+        assert "Traceback" not in text
