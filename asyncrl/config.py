@@ -73,8 +73,8 @@ class RunConfig(Section):
     """A role started by hand that finds a finished or foreign run of this name in Redis clears its keys and
     starts afresh instead of refusing (a live run is always joined)"""
     stall_timeout_s: Annotated[float, NonNegative] = 300.0
-    """Stalls: the launcher's watchdog, and each role's own check (also for roles started by hand), report
-    no trajectory, step or sync for this long. 0: off."""
+    """No trajectory, step or sync for this long is a stall, reported by the launcher's watchdog and by each
+    role's own check (also for roles started by hand). 0: off."""
     on_stall: Literal["warn", "fail"] = "warn"
     """fail: the launcher stops the run with exit code 3"""
     affinity: Literal["auto", "off"] = "auto"
