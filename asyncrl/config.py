@@ -203,6 +203,10 @@ class GeneratorConfig(Section):
     this device (16384 on a CUDA GPU of 70 GB or more, 8192 on a smaller one, 4096 on the CPU)"""
     kv_cache_gb: Annotated[float, Positive] = 1.0
     """CPU build only: VLLM_CPU_KVCACHE_SPACE"""
+    kv_cache_memory_gb: Annotated[float, NonNegative] = 0.0
+    """CUDA: the KV cache's size in GiB, set instead of measured (vLLM's kv_cache_memory_bytes: no
+    memory profile, which other processes allocating on the GPU meanwhile would mislead, as when
+    several runs start on one GPU); 0: what gpu_memory_utilization leaves after vLLM's profile"""
     sleep: Literal["auto", "on", "off"] = "auto"
     """run.mode=sync on CUDA: put the vLLM engine to sleep (`sleep_level`) while the learner steps,
     so that the learner may use the engine's memory; it wakes for the next weights. auto: on once a
@@ -288,6 +292,11 @@ class LearnerConfig(Section):
     activation_checkpointing: bool = False
     compile: bool = False
     """torch.compile each decoder layer's forward (in place: parameter names do not change)"""
+    kernel_warmup: Literal["auto", "on", "off"] = "auto"
+    """One step on synthetic groups of the run's shape before the first batch, with every learning
+    rate at 0 and the optimizer state emptied after it (learners/warmup.py): the first step's kernel
+    selection, autotuning and allocations happen while the generators' engines start. auto: on CUDA,
+    on a fresh start (never after a resume)."""
     keep_logits_gb: Annotated[float, NonNegative] = 4.0
     """Keep the output head's logits (matmul dtype) for the backward instead of recomputing them, when
     all of one micro-batch's completion-token logits fit in this many GiB (0: always recompute)."""

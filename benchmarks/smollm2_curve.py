@@ -113,16 +113,19 @@ def curve(run: Path) -> dict:
 
 
 def cmd_report(args) -> int:
+    labels = args.labels.split(",") if args.labels else [None] * len(args.runs)
+    if len(labels) != len(args.runs):
+        raise SystemExit(f"--labels names {len(labels)} runs, {len(args.runs)} are given")
     curves = {}
-    for run in args.runs:
+    for run, label in zip(args.runs, labels, strict=True):
         c = curve(Path(run))
-        curves[c["mode"]] = c
+        curves[label or c["mode"]] = c
     result = {"benchmark": "smollm2_arith", "device": args.device, "model": "SmolLM2-135M-Instruct",
               "task": args.task, "thresholds": list(THRESHOLDS), "runs": curves}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'mode':6} {'steps':>5} {'1st step s':>10} {'base':>6} {'best':>6} {'final':>6} {'step s':>7}  "
+    print(f"{'run':6} {'steps':>5} {'1st step s':>10} {'base':>6} {'best':>6} {'final':>6} {'step s':>7}  "
           + "  ".join(f"t({th:.1f})" for th in THRESHOLDS))
     for mode, c in curves.items():
         t = [c["time_to_pass@1_s"][f"{th:.1f}"] for th in THRESHOLDS]
@@ -154,6 +157,7 @@ def main() -> int:
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="results JSON and PNG from runs written by `run`")
     p.add_argument("runs", nargs="+")
+    p.add_argument("--labels", default="", help="comma-separated names of the runs (default: their modes)")
     p.add_argument("--json", default="")
     p.add_argument("--png", default="")
     p.add_argument("--device", default="H200")

@@ -128,6 +128,7 @@ class VllmEngine:
     def __init__(self, cfg: Config, model_path: str):
         on_cpu = import_vllm(cfg)
         from vllm import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         g = cfg.generator
@@ -147,14 +148,21 @@ class VllmEngine:
         )
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * 2**30)
+        elif g.kv_cache_memory_gb:
+            kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_memory_gb * 2**30)
+        kwargs.update({k: v for k in ("max_num_seqs", "max_num_batched_tokens") if (v := getattr(g, k))})
         self._init_sleep(cfg, on_cpu)
         if self.sleep_mode:  # vLLM's sleep mode needs its memory pool from the start
             kwargs["enable_sleep_mode"] = True
         t0 = time.perf_counter()
         self._children_before = child_pids()  # what shutdown must not kill: not the engine's
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        # The batch sizes of vLLM's offline `LLM` for this device where the config leaves them at 0:
+        # the engine's own default (128 sequences, 2048 tokens a step) cuts a step's samples into waves.
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
         self.num_workers = g.tensor_parallel_size
-        log.info("vLLM engine up in %.1fs (model=%s, cpu=%s)", time.perf_counter() - t0, model_path, on_cpu)
+        sched = self.engine.vllm_config.scheduler_config
+        log.info("vLLM engine up in %.1fs (model=%s, cpu=%s, max_num_seqs=%d, max_num_batched_tokens=%d)",
+                 time.perf_counter() - t0, model_path, on_cpu, sched.max_num_seqs, sched.max_num_batched_tokens)
         self.cfg = cfg
         self.loaded_version: int | None = None  # None: the weights on disk (the generator's version applies)
         self.weights_backend = "gloo"  # the weight group's, from the last join

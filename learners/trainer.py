@@ -32,6 +32,7 @@ from asyncrl.protocol.weight_sync import (
 from learners import packing
 from learners.batch import build_step
 from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
+from learners.warmup import WARMUP_PROMPT_TOKENS, frozen_training_state, synthetic_groups
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +450,31 @@ class Learner:
 
     # ---- all ranks ---------------------------------------------------------------------------------
 
+    def kernel_warmup(self) -> None:
+        """learner.kernel_warmup: one step on synthetic groups (learners/warmup.py); the weights, the
+        schedules and the KL controller are unchanged by it, the optimizers as fresh as before."""
+        cfg, parts = self.cfg, [(self.optimizer, self.scheduler)]
+        if self.critic is not None:
+            parts.append((self.critic_optimizer, self.critic_scheduler))
+        if cfg.learner.kernel_warmup == "off" or (cfg.learner.kernel_warmup == "auto" and not self.cuda):
+            return
+        if self.resumed_from is not None or self.step > 0 or any(opt.state for opt, _ in parts):
+            return  # resumed: the optimizer's state is the run's own, and the kernels are the first step's cost
+        t0 = time.perf_counter()
+        g = cfg.generator
+        prompt_tokens = max(1, min(WARMUP_PROMPT_TOKENS, g.max_model_len - g.max_tokens))
+        groups = synthetic_groups(cfg.learner.batch_groups, g.n, prompt_tokens, g.max_tokens,
+                                  self.model.config.vocab_size, cfg.run.seed)
+        with frozen_training_state([o for o, _ in parts], [s for _, s in parts], self.kl_ctl):
+            self.train_step(groups)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if self.rank == 0:
+            log.info("kernel warm-up: one step on synthetic groups in %.2fs (learning rate 0, optimizer state "
+                     "emptied after it)", time.perf_counter() - t0)
+
     def run(self) -> None:
+        self.kernel_warmup()
         while True:
             payload = None
             cmd = 0
