@@ -51,3 +51,12 @@ def test_asyncrl_configs_lists_names_with_descriptions_and_prints_one(tmp_path):
     r = subprocess.run([sys.executable, "-m", "asyncrl", "config", "check", "tiny_gsm8k"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "run tiny_gsm8k" in r.stdout, r.stderr
+
+
+def test_every_shipped_config_of_a_long_run_writes_checkpoints():
+    """A run of 100 steps or more (the GPU configs) can be resumed: it writes checkpoints."""
+    long_runs = {name: load_config(path) for name, path in shipped_configs().items()}
+    long_runs = {name: cfg for name, cfg in long_runs.items() if cfg.run.max_steps >= 100}
+    assert {"smollm2_arith", "gsm8k_grpo_qwen2.5_0.5b"} <= set(long_runs)
+    assert all(0 < cfg.checkpoint.every <= cfg.run.max_steps for cfg in long_runs.values()), \
+        {name: cfg.checkpoint.every for name, cfg in long_runs.items()}
