@@ -173,6 +173,35 @@ class EvalConfig(Section):
     """also evaluate the starting weights (version 0) when the learner starts"""
 
 
+class EnvConfig(Section):
+    """Multi-turn episodes (docs/agentic.md): what bounds an episode of a task with an environment
+    (data.task=calc, guess, gsm8k_python, or a task of your own with one). Unused by single-turn tasks."""
+
+    max_turns: Annotated[int, AtLeastOne] = 4
+    """assistant turns per episode; the episode ends (end reason `max_turns`) after this many"""
+    max_tokens: Annotated[int, NonNegative] = 0
+    """tokens of an episode after its prompt (assistant and observation turns); 0: up to
+    generator.max_model_len. Each assistant turn is also bounded by generator.max_tokens."""
+    step_timeout_s: Annotated[float, Positive] = 10.0
+    """seconds an environment may take for one step; past it the episode ends (`env_timeout`)"""
+    max_observation_chars: Annotated[int, AtLeastOne] = 512
+    """an observation longer than this is cut (and says so)"""
+    system_prompt: str = ""
+    """replaces the environment's own system prompt (which teaches its tool format); empty: keep it"""
+    guess_max: Annotated[int, Field(ge=2)] = 16
+    """data.task=guess: the secret number is in 1..guess_max"""
+    calc_digits: str = "3x2"
+    """data.task=calc: operand digits of the multiplications, `AxB`"""
+    sandbox_cpu_s: Annotated[int, AtLeastOne] = 2
+    """data.task=gsm8k_python: CPU seconds of one Python run (RLIMIT_CPU)"""
+    sandbox_memory_mb: Annotated[int, Field(ge=32)] = 512
+    """address space of one Python run (RLIMIT_AS)"""
+    sandbox_output_bytes: Annotated[int, AtLeastOne] = 4096
+    """stdout and stderr kept of one Python run (the rest is cut, and the run ended)"""
+    sandbox_timeout_s: Annotated[float, Positive] = 5.0
+    """wall-clock seconds of one Python run before its process group is killed"""
+
+
 class GeneratorConfig(Section):
     num_generators: Annotated[int, NonNegative] = 1
     """launcher only: how many generator processes `asyncrl run` starts"""
@@ -586,6 +615,7 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
 
     @property
     def run_dir(self) -> Path:
