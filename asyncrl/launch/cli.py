@@ -7,14 +7,10 @@ Nothing heavy (torch, vLLM, transformers) is imported before a subcommand needs 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
-
-def _setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+from asyncrl.logs import setup_logging
 
 
 def _add_config_args(p: argparse.ArgumentParser, config_optional: bool = False) -> None:
@@ -41,7 +37,7 @@ def _load(args):
     if args.print_config:
         print(dump_yaml(cfg), end="")
         raise SystemExit(0)
-    _setup_logging(cfg.logging.level)
+    setup_logging(cfg.logging.level)
     from asyncrl.protocol.security import set_redis_password_file
 
     set_redis_password_file(cfg.deploy.redis_password_file)  # every connect() of this process uses it
@@ -135,7 +131,7 @@ def cmd_learner(args) -> int:
 
 
 def cmd_data(args) -> int:
-    _setup_logging()
+    setup_logging()
     from asyncrl.tasks.data import prepare_gsm8k
 
     try:
@@ -149,7 +145,7 @@ def cmd_data(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    _setup_logging()
+    setup_logging()
     from asyncrl.tools.tiny_model import write_tiny_model
 
     path = write_tiny_model(args.out, seed=args.seed, warm_start_steps=args.warm_start_steps)

@@ -70,9 +70,9 @@ def _wait_generators_left(client, keys, stopping: list) -> None:
 def run_core(config_path: str, backend: str, overrides: list[str] | None = None) -> int:
     from asyncrl.config import load_config
     from asyncrl.launch.affinity import check_available, cpus_of
-    from asyncrl.launch.cli import _setup_logging
     from asyncrl.launch.elastic import publish_backend
     from asyncrl.launch.redis_server import LocalRedis
+    from asyncrl.logs import setup_logging
     from asyncrl.protocol.keys import Keys, connect
     from asyncrl.protocol.security import (
         advertised_host,
@@ -83,7 +83,7 @@ def run_core(config_path: str, backend: str, overrides: list[str] | None = None)
 
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)
-    _setup_logging(cfg.logging.level)
+    setup_logging(cfg.logging.level)
     set_redis_password_file(cfg.deploy.redis_password_file)
     check_available(cfg, ("buffer",))
     run_dir = cfg.run_dir
