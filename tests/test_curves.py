@@ -99,12 +99,12 @@ def test_the_starting_weights_are_evaluated_only_when_training_starts_from_them(
 def test_a_node_name_that_resolves_to_loopback_is_refused_for_a_multi_node_listener(monkeypatch):
     import socket
 
-    from asyncrl.launch import listen
+    from asyncrl.protocol import tcpstore
 
     def resolve(host, port, type=0):  # Debian's /etc/hosts: 127.0.1.1 <hostname>
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", port))]
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
     with pytest.raises(ValueError, match="resolves to the loopback address 127.0.1.1"):
-        listen.listening_socket("node-a", 0)
-    listen.listening_socket("127.0.0.1", 0).close()  # loopback asked for: bound
+        tcpstore.listening_socket("node-a", 0)
+    tcpstore.listening_socket("127.0.0.1", 0).close()  # loopback asked for: bound

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl.launch.listen import master_store
+from asyncrl.protocol.tcpstore import master_store
 
 
 def test_master_store_listens_on_the_given_host_only():
