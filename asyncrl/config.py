@@ -202,6 +202,24 @@ class EnvConfig(Section):
     """wall-clock seconds of one Python run before its process group is killed"""
 
 
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """A `cpus` value: '0-3,8' -> (0, 1, 2, 3, 8); '' -> (). Raises ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or range")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"range {part!r} is reversed")
+        cpus.update(range(first, last + 1))
+    if text.strip() and not cpus:
+        raise ValueError(f"{text!r} names no CPU")
+    return tuple(sorted(cpus))
+
+
 class GeneratorConfig(Section):
     num_generators: Annotated[int, NonNegative] = 1
     """launcher only: how many generator processes `asyncrl run` starts"""
@@ -650,8 +668,8 @@ class Config(Section):
         return bool(registry.ADVANTAGES.static_meta(self.algorithm.advantage).get(flag, False))
 
     def validate(self) -> Config:
-        """Cross-field checks (types, choices and declared bounds are checked by pydantic at load);
-        each error names the dotted path and the fix."""
+        """Cross-field checks; each error names the dotted path and the fix. Types, choices and the
+        bounds the fields declare are pydantic's, at load and on every assignment, so none is repeated here."""
         checks = [
             # GAE's baseline is the critic and ReMax's the prompt's greedy completion, not the group,
             # so only the group advantages need n > 1.
@@ -671,39 +689,25 @@ class Config(Section):
             (0 < self.generator.top_p <= 1, f"generator.top_p must be in (0, 1], got {self.generator.top_p}"),
             (self.generator.top_k == -1 or self.generator.top_k > 0,
              f"generator.top_k must be -1 (off) or > 0, got {self.generator.top_k}"),
-            (self.generator.max_tokens > 0, "generator.max_tokens must be > 0"),
             ((self.generator.top_p == 1.0 and self.generator.top_k == -1) or self.algorithm.allow_truncated_sampling,
              f"generator.top_p={self.generator.top_p} / generator.top_k={self.generator.top_k} truncate the sampling "
              "distribution: behaviour log-probs are then of the truncated, renormalised distribution while the "
              "learner computes full-softmax log-probs, so every importance ratio pi/mu is biased. Use top_p=1.0 "
              "and top_k=-1, or set algorithm.allow_truncated_sampling=true to accept the bias"),
             (not (self.reward.function and self.reward.model), "set reward.function or reward.model, not both"),
-            (self.generator.num_generators >= 0, "generator.num_generators must be >= 0"),
             (not (self.run.resume and self.run.reset), "run.resume=true continues the run and run.reset=true "
              "clears it: set one of them"),
-            (self.learner.batch_groups > 0, "learner.batch_groups must be > 0"),
-            (self.learner.nproc >= 1, "learner.nproc must be >= 1"),
             (self.learner.batch_groups % self.learner.nproc == 0,
              f"learner.batch_groups ({self.learner.batch_groups}) must be divisible by learner.nproc "
              f"({self.learner.nproc}) so every rank gets whole groups"),
             (self.learner.batch_groups % self.learner.minibatches == 0,
              "learner.batch_groups must be divisible by learner.minibatches"),
-            (self.algorithm.max_staleness >= 0, "algorithm.max_staleness must be >= 0"),
-            (self.algorithm.is_cap >= 1.0, f"algorithm.is_cap must be >= 1, got {self.algorithm.is_cap}"),
-            (self.run.max_steps > 0, "run.max_steps must be > 0"),
-            (self.weights.sync_every >= 1, "weights.sync_every must be >= 1"),
-            (self.weights.bucket_mb > 0, "weights.bucket_mb must be > 0"),
             (self._tiny_shape_ok(), f"model.tiny_hidden_size ({self.model.tiny_hidden_size}) must be a multiple of 64 "
              f"with model.tiny_num_heads=0, else of model.tiny_num_heads ({self.model.tiny_num_heads}), which must be a "
              f"multiple of model.tiny_num_kv_heads ({self.model.tiny_num_kv_heads}); layers and sizes > 0"),
-            (self.buffer.capacity > 0, f"buffer.capacity must be > 0, got {self.buffer.capacity}"),
-            (self.buffer.replay_ratio >= 1, f"buffer.replay_ratio must be >= 1, got {self.buffer.replay_ratio}"),
             (self.buffer.replay_ratio == 1 or self.buffer.sampling == "replay",
              f"buffer.replay_ratio={self.buffer.replay_ratio} only takes effect with buffer.sampling=replay "
              f"(got buffer.sampling={self.buffer.sampling})"),
-            (self.buffer.redis_retry_s > 0, "buffer.redis_retry_s must be > 0"),
-            (self.eval.every >= 0 and self.eval.num_prompts > 0 and self.eval.k >= 0,
-             "eval.every must be >= 0, eval.num_prompts > 0 and eval.k >= 0"),
             (not self.learner.optimizer_offload or self.learner.param_offload,
              "learner.optimizer_offload=true needs learner.param_offload=true: FSDP2's CPUOffloadPolicy moves "
              "parameters, gradients and optimizer state together"),
@@ -711,19 +715,8 @@ class Config(Section):
              f"algorithm.dual_clip must be 0 (off) or > 1, got {self.algorithm.dual_clip}"),
             (self.algorithm.mis_low < 1 < self.algorithm.mis_high,
              "algorithm.mis_low must be < 1 < algorithm.mis_high"),
-            (self.algorithm.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
-            (0 <= self.algorithm.gamma <= 1 and 0 <= self.algorithm.lam <= 1,
-             f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.algorithm.gamma}, {self.algorithm.lam}"),
-            (self.algorithm.value_clip >= 0, f"algorithm.value_clip must be >= 0 (0: off), got {self.algorithm.value_clip}"),
-            (self.learner.critic_lr > 0, f"learner.critic_lr must be > 0, got {self.learner.critic_lr}"),
-            (not self.learner.lora.enabled or (self.learner.lora.rank > 0 and self.learner.lora.alpha > 0),
-             "learner.lora.rank and learner.lora.alpha must be > 0"),
-            (not self.learner.lora.enabled or 0 <= self.learner.lora.dropout < 1,
-             f"learner.lora.dropout must be in [0, 1), got {self.learner.lora.dropout}"),
             (not self.learner.lora.enabled or bool(self.learner.lora.target_modules),
              "learner.lora.target_modules must name at least one module (e.g. q_proj,v_proj)"),
-            (self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
-             "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -734,15 +727,49 @@ class Config(Section):
             raise ConfigError(message)
         for message in self.algorithm.config_errors():
             raise ConfigError(message)
-        from asyncrl.modes import config_errors  # run.mode=sync cross-field checks
-
-        for message in config_errors(self):
-            raise ConfigError(message)
-        from asyncrl.launch.affinity import config_errors as affinity_errors  # generator/learner/buffer.cpus
-
-        for message in affinity_errors(self):
+        for message in self._mode_errors() + self._cpus_errors():
             raise ConfigError(message)
         return self
+
+    def _mode_errors(self) -> list[str]:
+        """Cross-field checks of run.mode (asyncrl/modes.py)."""
+        sync_every, max_staleness = self.weights.sync_every, self.algorithm.max_staleness
+        if self.run.mode != "sync":
+            # A group starts on the last version pushed; the learner trains up to sync_every - 1 versions
+            # past it before the next push, so every group of those steps would be too stale to train.
+            if sync_every - 1 > max_staleness:
+                return [f"weights.sync_every={sync_every} needs algorithm.max_staleness >= {sync_every - 1} (got "
+                        f"{max_staleness}): groups started between pushes would all be dropped as stale"]
+            return []
+        errors = []
+        if sync_every != 1:
+            errors.append(f"run.mode=sync needs weights.sync_every=1 (generators wait for the weights of every "
+                          f"version), got {sync_every}")
+        if self.buffer.sampling == "replay":
+            errors.append("run.mode=sync trains each group once with the weights that sampled it: set "
+                          "buffer.sampling=fifo (replay would reuse groups of older versions)")
+        return errors
+
+    def _cpus_errors(self) -> list[str]:
+        """generator/learner/buffer.cpus (asyncrl/launch/affinity.py): syntax and cross-field checks,
+        machine-independent (the config may be checked on a login node)."""
+        errors = []
+        for role in ("generator", "learner", "buffer"):
+            text = getattr(self, role).cpus
+            try:
+                cpus = parse_cpus(text)
+            except ValueError as e:
+                errors.append(f"{role}.cpus={text!r}: {e}; use a CPU list like \"0\", \"0-3\" or \"0-3,8\" "
+                              "(empty: no pinning)")
+                continue
+            tp = self.generator.tensor_parallel_size
+            if role == "generator" and cpus and len(cpus) % tp:
+                errors.append(f"generator.cpus={text!r} has {len(cpus)} CPUs, not a multiple of "
+                              f"generator.tensor_parallel_size={tp} (each vLLM worker gets an equal share)")
+            if role == "learner" and cpus and len(cpus) < self.learner.nproc:
+                errors.append(f"learner.cpus={text!r} has {len(cpus)} CPUs for learner.nproc={self.learner.nproc} "
+                              "ranks; give at least one CPU per rank")
+        return errors
 
 
 # ---- loading -------------------------------------------------------------------------------------

@@ -40,23 +40,3 @@ def may_generate(mode: str, held_version: int, learner_version: int) -> bool:
     if held_version < 0:
         return False
     return mode != "sync" or held_version == learner_version
-
-
-def config_errors(cfg: Config) -> list[str]:
-    """Cross-field checks of run.mode (each message names the dotted path and the fix)."""
-    if cfg.run.mode != "sync":
-        # A group starts on the last version pushed; the learner trains up to sync_every - 1 versions
-        # past it before the next push, so every group of those steps would be too stale to train.
-        if cfg.weights.sync_every - 1 > cfg.algorithm.max_staleness:
-            return [f"weights.sync_every={cfg.weights.sync_every} needs algorithm.max_staleness >= "
-                    f"{cfg.weights.sync_every - 1} (got {cfg.algorithm.max_staleness}): groups started between "
-                    f"pushes would all be dropped as stale"]
-        return []
-    errors = []
-    if cfg.weights.sync_every != 1:
-        errors.append(f"run.mode=sync needs weights.sync_every=1 (generators wait for the weights of every "
-                      f"version), got {cfg.weights.sync_every}")
-    if cfg.buffer.sampling == "replay":
-        errors.append("run.mode=sync trains each group once with the weights that sampled it: set "
-                      "buffer.sampling=fifo (replay would reuse groups of older versions)")
-    return errors

@@ -32,32 +32,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError, parse_cpus
 
 log = logging.getLogger(__name__)
 
 ROLES = ("generator", "learner", "buffer")
-
-
-def parse_cpus(text: str) -> tuple[int, ...]:
-    """'0-3,8' -> (0, 1, 2, 3, 8); '' -> (). Raises ValueError on anything else."""
-    cpus: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
-            raise ValueError(f"{part!r} is not a CPU number or range")
-        first, last = int(lo), int(hi) if dash else int(lo)
-        if last < first:
-            raise ValueError(f"range {part!r} is reversed")
-        cpus.update(range(first, last + 1))
-    if text.strip() and not cpus:
-        raise ValueError(f"{text!r} names no CPU")
-    return tuple(sorted(cpus))
 
 
 def format_cpus(cpus) -> str:
@@ -133,31 +113,8 @@ def auto_assignment(cfg: Config, allowed=None) -> tuple[dict[str, tuple[int, ...
         f" (auto on {len(allowed)} CPUs; run.affinity=off to disable)")
 
 
-def config_errors(cfg: Config) -> list[str]:
-    """Syntax and cross-field checks (machine-independent: the config may be checked on a login node)."""
-    errors = []
-    for role in ROLES:
-        text = getattr(cfg, role).cpus
-        try:
-            cpus = parse_cpus(text)
-        except ValueError as e:
-            errors.append(f"{role}.cpus={text!r}: {e}; use a CPU list like \"0\", \"0-3\" or \"0-3,8\" "
-                          "(empty: no pinning)")
-            continue
-        tp = cfg.generator.tensor_parallel_size
-        if role == "generator" and cpus and len(cpus) % tp:
-            errors.append(f"generator.cpus={text!r} has {len(cpus)} CPUs, not a multiple of "
-                          f"generator.tensor_parallel_size={tp} (each vLLM worker gets an equal share)")
-        if role == "learner" and cpus and len(cpus) < cfg.learner.nproc:
-            errors.append(f"learner.cpus={text!r} has {len(cpus)} CPUs for learner.nproc={cfg.learner.nproc} "
-                          "ranks; give at least one CPU per rank")
-    return errors
-
-
 def check_available(cfg: Config, roles=ROLES) -> None:
     """Raises ConfigError (naming the key) if a role asks for a CPU this process may not use."""
-    from asyncrl.config import ConfigError
-
     allowed = os.sched_getaffinity(0)
     for role in roles:
         missing = [c for c in cpus_of(cfg, role) if c not in allowed]
