@@ -1,7 +1,7 @@
-"""The module-level import graph: no circles, a small core top level, role packages apart.
+"""The import graph: no circles, a small core top level, role packages apart.
 
-Imports inside functions and under `if TYPE_CHECKING:` are not edges: they run after every module
-has loaded, so they cannot form a circle at import time.
+Every import that can run is an edge, those inside functions included: a circle closed by a deferred
+import is still a circle, only hidden. Imports under `if TYPE_CHECKING:` never run and are not edges.
 """
 
 import ast
@@ -30,30 +30,26 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _top_level_imports(body: list[ast.stmt]):
-    """Import statements that run at import time: the module body, including if/try blocks."""
-    for node in body:
+def _imports(nodes):
+    """Every import statement that can run: at module level, in functions and classes, in if / try /
+    with blocks; not under `if TYPE_CHECKING:`."""
+    for node in nodes:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                yield from _top_level_imports(node.body)
-            yield from _top_level_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                yield from _top_level_imports(block)
-        elif isinstance(node, ast.With):
-            yield from _top_level_imports(node.body)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _imports(node.orelse)
+        else:
+            yield from _imports(ast.iter_child_nodes(node))
 
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the project modules it imports at module level (relative imports resolved)."""
+    """Module -> the project modules it imports anywhere (relative imports resolved)."""
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
         package = name if is_pkg else name.rpartition(".")[0]
         edges: set[str] = set()
-        for node in _top_level_imports(ast.parse(path.read_text(), str(path)).body):
+        for node in _imports(ast.parse(path.read_text(), str(path)).body):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -102,17 +98,14 @@ def test_find_cycle_on_synthetic_graphs():
     assert find_cycle({"x": set(), "a": {"b"}, "b": {"b2", "a"}, "b2": set()}) == ["a", "b", "a"]
 
 
-def test_graph_skips_function_and_type_checking_imports(tmp_path):
+def test_graph_reads_imports_inside_functions_but_not_type_checking_ones(tmp_path):
     mods = {"p.a": tmp_path / "a.py", "p.b": tmp_path / "b.py", "p": tmp_path / "__init__.py"}
     mods["p"].write_text("")
     mods["p.a"].write_text("from . import b\nfrom p.b import x\n")
-    mods["p.b"].write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import a\n"
-        "def f():\n    import p.a\n"
-    )
+    mods["p.b"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import a\n")
     graph = import_graph(mods)
     assert graph["p.a"] == {"p.b"} and graph["p.b"] == set()
-    mods["p.b"].write_text("import p.a\n")
+    mods["p.b"].write_text("class C:\n    def f(self):\n        if True:\n            import p.a\n")
     assert find_cycle(import_graph(mods)) == ["p.a", "p.b", "p.a"]
 
 
@@ -143,3 +136,16 @@ def test_role_packages_import_only_the_core():
     assert not any(
         e.split(".")[0] in ROLES for n, es in import_graph(modules()).items() if n.startswith("asyncrl") for e in es
     ), "the core asyncrl imports a role package"
+
+
+def test_the_cli_starts_each_role_through_one_entry_point():
+    """`asyncrl buffer|generator|learner` import their role by name (asyncrl/launch/cli.py ROLE_MAINS), only
+    when the command runs; each name is a function of that role's package."""
+    from asyncrl.launch.cli import ROLE_MAINS
+
+    assert sorted(ROLE_MAINS) == ["buffer", "generator", "learner"]
+    for role, target in ROLE_MAINS.items():
+        module, _, function = target.partition(":")
+        assert module.split(".")[0] == role + "s", f"{role}: {target} is not in the {role}s package"
+        tree = ast.parse(modules()[module].read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == function for n in tree.body), target

@@ -7,6 +7,7 @@ Nothing heavy (torch, vLLM, transformers) is imported before a subcommand needs 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -76,6 +77,16 @@ def cmd_run(args) -> int:
     return launch(cfg)  # the Python API's launcher: preflight, then every role, supervised
 
 
+# Each role's one entry point (`module:function`), imported by name only when its command runs: the
+# core imports no role package, and each of these brings torch or vLLM with it.
+ROLE_MAINS = {"buffer": "buffers.service:main", "generator": "generators.entry:main", "learner": "learners.trainer:main"}
+
+
+def _role_main(role: str):
+    module, _, function = ROLE_MAINS[role].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def _claim(cfg, role: str) -> None:
     """Joins (or creates, resumes, resets) the run in Redis before anything else is read there; a
     finished or foreign run of the same name is one line and exit 2 (asyncrl/protocol/identity.py)."""
@@ -89,9 +100,7 @@ def cmd_buffer(args) -> int:
     _pin(cfg, ("buffer",))
     _preflight(cfg, model=False)
     _claim(cfg, "buffer")
-    from buffers.service import main
-
-    main(cfg)
+    _role_main("buffer")(cfg)
     return 0
 
 
@@ -100,15 +109,7 @@ def cmd_generator(args) -> int:
     _pin(cfg, ("generator",))
     _preflight(cfg)
     _claim(cfg, f"generator {args.id}")
-    from asyncrl.launch.launcher import ensure_model
-    from generators.main import main
-
-    if cfg.generator.backend == "vllm" and not cfg.model.path:
-        from generators.vllm_engine import import_vllm
-
-        import_vllm(cfg)  # its seconds of imports overlap the tiny model's write (by the learner, under asyncrl run)
-    ensure_model(cfg)
-    main(cfg, args.id)
+    _role_main("generator")(cfg, args.id)
     return 0
 
 
@@ -122,9 +123,7 @@ def cmd_learner(args) -> int:
 
     ensure_model(cfg)
     if "RANK" in os.environ:  # already under torchrun
-        from learners.trainer import main
-
-        main(cfg)
+        _role_main("learner")(cfg)
         return 0
     os.execvp(sys.executable, learner_command(cfg, args.config, args.overrides))
     return 0
