@@ -42,9 +42,10 @@ class Engine(Protocol):
     num_workers: int  # worker processes (tensor-parallel ranks) that take part in the weight group
 
     async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
-                             temperature: float | None = None) -> list[SampleOut]:
+                             temperature: float | None = None, max_tokens: int | None = None) -> list[SampleOut]:
         """`n` completions of one prompt; each token stamped with `version()` at the time it was sampled.
-        `temperature` None: generator.temperature; 0.0: greedy (evaluation, advantage=remax's baselines)."""
+        `temperature` None: generator.temperature; 0.0: greedy (evaluation, advantage=remax's baselines).
+        `max_tokens` None: generator.max_tokens (an episode's turn asks for what its budget has left)."""
         ...
 
     async def join(self, epoch_frame: bytes, generator_id: str, timeout_s: float) -> bool:

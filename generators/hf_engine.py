@@ -105,14 +105,14 @@ class HfEngine:
         return toks, logp.gather(-1, tok)[:, 0].tolist()
 
     async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
-                             temperature: float | None = None) -> list[SampleOut]:
+                             temperature: float | None = None, max_tokens: int | None = None) -> list[SampleOut]:
         await self._admit.wait()
         loop = asyncio.get_running_loop()
         temperature = self.cfg.generator.temperature if temperature is None else temperature
         grp = _Group([list(prompt_ids) for _ in range(n)], [SampleOut() for _ in range(n)], temperature)
         self.num_active += 1
         try:
-            for _ in range(self.cfg.generator.max_tokens):
+            for _ in range(self.cfg.generator.max_tokens if max_tokens is None else max_tokens):
                 toks, lps = await loop.run_in_executor(self.pool, self._step, grp)
                 v = self.loaded_version if self.loaded_version is not None else version()
                 for s, t, lp in zip(grp.samples, toks, lps, strict=True):

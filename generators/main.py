@@ -90,6 +90,11 @@ class Generator:
         from asyncrl.registry import ADVANTAGES
 
         self.greedy_baseline = bool(ADVANTAGES.static_meta(cfg.algorithm.advantage).get("greedy_baseline"))
+        from asyncrl.tasks.registry import get_task
+
+        # A task with an environment is played as multi-turn episodes (generators/episodes.py).
+        self.env_factory = get_task(cfg.data.task).environment
+        self.episode_stats = {"episodes": 0, "turns": 0, "tool_calls": 0, "tool_errors": 0, "env_s": 0.0}
         self.sampling = schema.SamplingInfo(temperature=cfg.generator.temperature, top_p=cfg.generator.top_p,
                                             top_k=cfg.generator.top_k)
         from asyncrl.observe.selfwatch import SelfWatch
@@ -114,6 +119,11 @@ class Generator:
 
         await sampling.check_generator(self.redis, self.keys, self.cfg.generator, self.id)  # before the engine
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
+        if self.env_factory is not None:
+            from generators.episodes import EpisodeLimits, TurnCodec
+
+            self.codec = TurnCodec(self.tokenizer, self.cfg.data.chat_template)
+            self.episode_limits = EpisodeLimits.from_config(self.cfg)
         from asyncrl.observe import timeline
 
         await timeline.mark(self.redis, self.keys, f"{self.id} process", timeline.process_start())
@@ -272,6 +282,9 @@ class Generator:
             if may_generate("sync", self.version, await self._learner_version()):
                 break
             await self.notes.wait(("version", "held"), seen, VERSION_FALLBACK_S)
+        if self.env_factory is not None:
+            self._push(entry_id, task, await self._episodes(task))
+            return
         prompt_ids = encode_prompt(self.tokenizer, task.prompt, self.cfg.data.chat_template)
         row = {"prompt": task.prompt, "prompt_id": task.prompt_id, "group_id": task.group_id}
         sampled = self.engine.generate_group(prompt_ids, self.cfg.generator.n, lambda: self.version)
@@ -294,12 +307,43 @@ class Generator:
                                        prompt_ids=schema.pack_i32(prompt_ids), samples=samples,
                                        sampling=self.sampling, created_at=time.time(), reward_errors=errors,
                                        baseline_reward=baseline)
+        self._push(entry_id, task, group)
+
+    def _push(self, entry_id: bytes, task: schema.PromptTask, group: schema.TrajectoryGroup) -> None:
         # The outbox sends it and acks the prompt once the buffer has ingested the group: a crash
         # (ours or the buffer's) before that leaves the prompt to be re-sent or re-leased.
         self.outbox.put(task.group_id, entry_id, schema.encode(group))
         self.tokens += group.num_tokens()
         self.groups += 1
-        self.reward_errors += errors
+        self.reward_errors += group.reward_errors
+
+    async def _episodes(self, task: schema.PromptTask) -> schema.TrajectoryGroup:
+        """generator.n episodes of the prompt's row, concurrently (each turn a request of its own to the
+        engine, which batches them with every other episode's), as one group of schema version 3."""
+        from asyncrl.tasks.synthetic import PromptRecord
+        from generators.episodes import run_episode
+
+        row = PromptRecord(prompt_id=task.prompt_id, prompt=task.prompt, answer=task.answer)
+        system = self.cfg.env.system_prompt or getattr(self.env_factory, "system_prompt", "")
+        prompt_ids = self.codec.prompt_ids(system, task.prompt)
+        episodes = await asyncio.gather(*(run_episode(self.engine, self.codec, self.env_factory(self.cfg, row), prompt_ids,
+                                                      lambda: self.version, self.episode_limits)
+                                          for _ in range(self.cfg.generator.n)))
+        samples = []
+        for ep in episodes:
+            samples.append(schema.Sample(
+                completion_ids=schema.pack_i32(ep.token_ids), logprobs=schema.pack_f32(ep.logprobs),
+                versions=schema.pack_i32(ep.versions), reward=ep.reward, finish_reason=ep.finish_reason,
+                loss_mask=bytes(ep.mask),
+                episode=schema.EpisodeInfo(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors,
+                                           env_s=round(ep.env_s, 6), end_reason=ep.end_reason)))
+            for k in ("turns", "tool_calls", "tool_errors", "env_s"):
+                self.episode_stats[k] += getattr(ep, k)
+            self.episode_stats["episodes"] += 1
+        return schema.TrajectoryGroup(schema_version=schema.EPISODE_SCHEMA_VERSION, group_id=task.group_id,
+                                      prompt_id=task.prompt_id, generator_id=self.id,
+                                      prompt_ids=schema.pack_i32(prompt_ids), samples=samples,
+                                      sampling=self.sampling, created_at=time.time())
 
     async def _greedy_baseline(self, prompt_ids: list[int], task: schema.PromptTask, row: dict) -> float:
         """advantage=remax: the reward of one greedy completion of the prompt (same max_tokens, same

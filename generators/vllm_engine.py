@@ -257,14 +257,14 @@ class VllmEngine:
         await self._stream(prompt_ids + s.token_ids, self.sampling_params(1, temperature, remaining), version, [s])
 
     async def generate_group(self, prompt_ids: list[int], n: int, version: Callable[[], int],
-                             temperature: float | None = None) -> list[SampleOut]:
+                             temperature: float | None = None, max_tokens: int | None = None) -> list[SampleOut]:
         """Samples `n` completions; each token is stamped with the policy version it was sampled under."""
         samples = [SampleOut() for _ in range(n)]
+        max_tokens = self.cfg.generator.max_tokens if max_tokens is None else max_tokens
         self._active += 1
         try:
             await self._awake()
-            await self._stream(prompt_ids, self.sampling_params(n, temperature), version, samples)
-            max_tokens = self.cfg.generator.max_tokens
+            await self._stream(prompt_ids, self.sampling_params(n, temperature, max_tokens), version, samples)
             while todo := [s for s in samples if s.finish_reason == "abort"]:
                 await self._resumed.wait()  # resubmitting during the update would only be aborted again
                 await asyncio.gather(*(self._resubmit(prompt_ids, s, version, temperature, max_tokens)

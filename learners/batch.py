@@ -1,7 +1,9 @@
 """Turning trajectory groups into training tensors.
 
 `build_step` holds a learner step's sequences on every rank, with per-token arrays flat over the
-completion tokens of all of them (N, in sequence order); `micro_batch` makes the model inputs of a
+completion tokens of all of them (N, in sequence order; a multi-turn episode's completion is every
+token after its prompt, observations included, and `mask_N` marks the policy's own: only those are
+trained on, counted or averaged over); `micro_batch` makes the model inputs of a
 few of them, packed in one row or padded, and maps its rows back into N. `build_batch` is the
 padded whole-batch form (B = sequences, L = prompt + completion) that log-prob tests use.
 """
@@ -93,6 +95,35 @@ class StepBatch:
     device: torch.device
     micro_cache: dict = field(default_factory=dict)  # learners.batch.micro_batch's, for this step
     baselines_G: torch.Tensor | None = None  # each group's greedy baseline reward; None unless every group has one
+    # 1 for the tokens the policy sampled, 0 for observation tokens of multi-turn episodes (host copy:
+    # micro-batches are built from it without a device sync). None: every token is the policy's.
+    policy_mask_np: np.ndarray | None = None
+
+    @property
+    def mask_N(self) -> torch.Tensor:
+        """1.0 for each policy token of N, 0.0 for each observation token (float32, on the device)."""
+        if getattr(self, "_mask_N", None) is None:
+            m = np.ones(self.num_tokens, np.float32) if self.policy_mask_np is None else self.policy_mask_np
+            self._mask_N = torch.from_numpy(m.astype(np.float32)).to(self.device)
+        return self._mask_N
+
+    @property
+    def policy_len(self) -> list[int]:
+        """Policy tokens of each sequence (its completion length for single-turn groups)."""
+        if self.policy_mask_np is None:
+            return list(self.comp_len)
+        return [int(self.policy_mask_np[a:a + n].sum()) for a, n in zip(self.comp_start, self.comp_len, strict=True)]
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return self.num_tokens if self.policy_mask_np is None else int(self.policy_mask_np.sum())
+
+    @property
+    def policy(self) -> PolicyView:
+        """The step's policy tokens alone, as a grid without holes (advantages, returns, corrections)."""
+        if getattr(self, "_policy", None) is None:
+            self._policy = PolicyView(self)
+        return self._policy
 
     @property
     def num_seqs(self) -> int:
@@ -133,11 +164,49 @@ class StepBatch:
         return self._grid_index
 
 
+class PolicyView:
+    """The policy tokens of a step, each sequence's in order with the observation tokens left out:
+    S x P grids (P = the most policy tokens of a sequence) with no holes, so that returns run across
+    an episode's turns as they do along a single completion. `grid` takes N values (observation
+    tokens' ignored), `flat` gives N values back (0 at observation tokens). Single-turn steps: the
+    same as StepBatch.grid / flat."""
+
+    def __init__(self, step: StepBatch):
+        self.step = step
+        if step.policy_mask_np is None:
+            self.index_P = None
+            return
+        self.index_P = torch.from_numpy(np.flatnonzero(step.policy_mask_np)).to(step.device)
+        lens = np.asarray(step.policy_len, dtype=np.int64)
+        self.width = int(lens.max()) if len(lens) else 0
+        self.grid_index_P = torch.from_numpy(_ranges(np.arange(len(lens)) * self.width, lens)).to(step.device)
+
+    def grid(self, flat_N: torch.Tensor) -> torch.Tensor:
+        if self.index_P is None:
+            return self.step.grid(flat_N)
+        out = torch.zeros(self.step.num_seqs * self.width, dtype=flat_N.dtype, device=flat_N.device)
+        out.index_copy_(0, self.grid_index_P, flat_N.index_select(0, self.index_P))
+        return out.view(self.step.num_seqs, self.width)
+
+    def flat(self, grid_SP: torch.Tensor) -> torch.Tensor:
+        if self.index_P is None:
+            return self.step.flat(grid_SP)
+        out = torch.zeros(self.step.num_tokens, dtype=grid_SP.dtype, device=grid_SP.device)
+        return out.index_copy_(0, self.index_P, grid_SP.reshape(-1).index_select(0, self.grid_index_P))
+
+    def mask(self) -> torch.Tensor:
+        """S x P, 1.0 at each sequence's policy tokens."""
+        return self.grid(self.step.mask_N)
+
+
 def build_step(groups: list[schema.TrajectoryGroup], device) -> StepBatch:
     tokens, prompt_len, comp_len, behav, vers, rewards, seq_of = [], [], [], [], [], [], []
+    masks, multi_turn = [], any(s.loss_mask for g in groups for s in g.samples)
     for g in groups:
         prompt = schema.unpack_i32(g.prompt_ids)
         for s in g.samples:
+            if multi_turn:
+                masks.append(s.policy_mask())
             comp = schema.unpack_i32(s.completion_ids)
             tokens.append(np.concatenate([prompt, comp]).astype(np.int64))
             prompt_len.append(len(prompt))
@@ -158,7 +227,8 @@ def build_step(groups: list[schema.TrajectoryGroup], device) -> StepBatch:
                      group_sizes=[len(g.samples) for g in groups], baselines_G=baselines_G,
                      rewards_S=torch.tensor(rewards, dtype=torch.float32, device=device),
                      behav_N=cat(behav, np.float32).to(device), versions_N=cat(vers, np.int64).to(device),
-                     seq_of_N=cat(seq_of, np.int64).to(device), comp_start=starts, device=torch.device(device))
+                     seq_of_N=cat(seq_of, np.int64).to(device), comp_start=starts, device=torch.device(device),
+                     policy_mask_np=np.concatenate(masks).astype(np.uint8) if multi_turn else None)
 
 
 @dataclass
@@ -169,7 +239,9 @@ class MicroBatch:
     `attn_kwargs` with the sequence boundaries for varlen attention) or b x L (padded, with
     `attention_mask`). `rows` are flat indices into the (rows x (L-1)) grid of next-token
     positions that predict completion tokens, in the order of `flat_N` (their indices into the
-    step's N arrays). Loss tensors are b x T (`grid`): T the longest completion of the micro-batch."""
+    step's N arrays). Loss tensors are b x T (`grid`): T the longest completion of the micro-batch;
+    `mask_bT` is 1.0 at its policy tokens (observation tokens of episodes are 0: they are computed in
+    the forward pass, as context, but never weigh in a loss, a count or a mean)."""
 
     seqs: list[int]
     input_ids: torch.Tensor
@@ -181,10 +253,14 @@ class MicroBatch:
     grid_index: torch.Tensor
     mask_bT: torch.Tensor
 
+    num_policy: int = -1  # policy tokens; -1: every completion token is one
+
     @property
     def num_tokens(self) -> int:
-        """Completion tokens in the loss."""
-        return int(self.rows.numel()) if self.seqs else 0
+        """Completion tokens in the loss (the policy's)."""
+        if not self.seqs:
+            return 0
+        return int(self.rows.numel()) if self.num_policy < 0 else self.num_policy
 
     def grid(self, flat_n: torch.Tensor) -> torch.Tensor:
         b, t = self.mask_bT.shape
@@ -204,6 +280,21 @@ def micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> 
 
 
 def _micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> MicroBatch:
+    mb = _micro_inputs(step, seqs, packed, pad_id)
+    if step.policy_mask_np is None or not seqs:
+        return mb
+    # Observation tokens stay in the inputs (the policy reads them) but leave the loss mask.
+    comp = np.array([step.comp_len[s] for s in seqs], dtype=np.int64)
+    flat = _ranges(np.array([step.comp_start[s] for s in seqs], dtype=np.int64), comp)  # mb.flat_N, on the host
+    policy = step.policy_mask_np[flat].astype(np.float32)
+    mask = np.zeros(mb.mask_bT.numel(), np.float32)
+    mask[_ranges(np.arange(len(seqs)) * mb.mask_bT.shape[1], comp)] = policy  # mb.grid_index
+    mb.mask_bT = torch.from_numpy(mask).view(mb.mask_bT.shape).to(step.device)
+    mb.num_policy = int(policy.sum())
+    return mb
+
+
+def _micro_inputs(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -> MicroBatch:
     dev = step.device
     if not seqs:
         ids = torch.full((1, 2), pad_id, dtype=torch.long, device=dev)

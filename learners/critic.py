@@ -154,13 +154,13 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
                 grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             if epoch == 0:
                 parts.append(part)
-    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
-    old_ST, ret_ST = step.grid(old_values_N), step.grid(returns_N)
+    mask_ST = step.policy.mask()
+    old_ST, ret_ST = step.policy.grid(old_values_N), step.policy.grid(returns_N)
     return {
         "value_loss": float(torch.stack(parts).mean()),
         "value_clip_frac": float(wins_sum) / max(n_tok, 1),
         "value_explained_var": explained_variance(old_ST, ret_ST, mask_ST),
-        "value_mean": float(old_values_N.mean()) if old_values_N.numel() else 0.0,
-        "returns_mean": float(returns_N.mean()) if returns_N.numel() else 0.0,
+        "value_mean": float((old_ST * mask_ST).sum() / mask_ST.sum().clamp(min=1)),
+        "returns_mean": float((ret_ST * mask_ST).sum() / mask_ST.sum().clamp(min=1)),
         "value_grad_norm": float(grad_norm),
     }

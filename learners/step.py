@@ -94,8 +94,9 @@ def shaped_rewards(step: StepBatch, alg: AlgorithmConfig, max_tokens: int) -> to
     """Rewards after DAPO overlong shaping (the KL-in-reward penalty comes per token, `batch_targets`)."""
     r_S = step.rewards_S.to(torch.float32).clone()
     if alg.overlong_buffer > 0:
-        # Linear penalty over the last `overlong_buffer` tokens before max_tokens (DAPO soft punishment).
-        length_S = torch.tensor(step.comp_len, dtype=torch.float32, device=r_S.device)
+        # Linear penalty over the last `overlong_buffer` tokens before max_tokens (DAPO soft punishment);
+        # an episode's length is its policy tokens.
+        length_S = torch.tensor(step.policy_len, dtype=torch.float32, device=r_S.device)
         start = max_tokens - alg.overlong_buffer
         r_S -= alg.overlong_penalty * ((length_S - start).clamp(min=0) / alg.overlong_buffer).clamp(max=1.0)
     return r_S
@@ -119,9 +120,11 @@ def rollout_correction(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConf
     """(keep_N or None, is_scale or None, stats): rejection sampling by pi_prox / mu and the batch
     mean of the loss's IS weight over the kept tokens (asyncrl/algorithms/rollout_correction.py).
     The weight itself is that of every response token (a sequence weight is the product over the
-    whole sequence, before rejection), as the loss computes it; only its mean is over the kept ones."""
-    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
-    prox_ST, behav_ST = step.grid(prox_N), step.grid(step.behav_N.float())
+    whole sequence, before rejection), as the loss computes it; only its mean is over the kept ones.
+    Over the policy's tokens alone (`step.policy`)."""
+    pv = step.policy
+    mask_ST = pv.mask()
+    prox_ST, behav_ST = pv.grid(prox_N), pv.grid(step.behav_N.float())
     keep_ST, stats = mask_ST, {}
     if alg.rollout_rs:
         keep_ST, stats = rc.rejection_mask(prox_ST - behav_ST, mask_ST, alg.rollout_rs, alg.rollout_rs_threshold,
@@ -133,14 +136,15 @@ def rollout_correction(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConf
         w_ST, level = losses.is_weight_at_prox(alg, prox_ST, behav_ST, mask_ST)
         scale = rc.batch_mean_weight(w_ST, keep_ST, level)
         stats["is_norm_factor"] = scale
-    return (step.flat(keep_ST) if alg.rollout_rs else None), scale, stats
+    return (pv.flat(keep_ST) if alg.rollout_rs else None), scale, stats
 
 
 def otb_is_weights(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
     """algorithm.otb_is_weights: the loss's truncated behaviour IS weight of each token at pi_prox,
     on the step's grid (what the optimal token baseline scales each token's energy by, squared)."""
-    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
-    w_ST, _ = losses.is_weight_at_prox(alg, step.grid(prox_N), step.grid(step.behav_N.float()), mask_ST)
+    pv = step.policy
+    mask_ST = pv.mask()
+    w_ST, _ = losses.is_weight_at_prox(alg, pv.grid(prox_N), pv.grid(step.behav_N.float()), mask_ST)
     return w_ST * mask_ST
 
 
@@ -155,7 +159,8 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
     `values_N` of the behaviour batch; its advantages are whitened over every valid token of the step
     (as verl and OpenRLHF do), returns = advantages before whitening + values. Rejection sampling and
     IS normalisation need pi_prox of the whole step before the first update, so they add the no-grad
-    proximal pass when the step has a single update. algorithm.pf_ppo scales each sample's
+    proximal pass when the step has a single update. Everything here runs over the policy's tokens
+    alone (`step.policy`: observation tokens of episodes left out, so returns cross them). algorithm.pf_ppo scales each sample's
     advantage by its PF-PPO weight; with a reference and pi_prox computed ahead, `stats["kl"]` is
     KL(pi_prox || pi_ref), the adaptive controller's statistic.
     """
@@ -166,8 +171,9 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
         prox, sum_pi2 = logprobs_sum_pi2_N(model, step, rank_micro_batches(plan, rank), cfg, pad_id)
     elif plan.num_updates > 1 or kl_reward or alg.rollout_rs or alg.is_normalize:
         prox = logprobs_N(model, step, rank_micro_batches(plan, rank), cfg, pad_id)
-    mask_ST = step.grid(torch.ones(step.num_tokens, device=step.device))
-    kl_ST = kl_coef * step.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator)) if kl_reward else None
+    pv = step.policy
+    mask_ST = pv.mask()
+    kl_ST = kl_coef * pv.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator)) if kl_reward else None
     rewards_S = shaped_rewards(step, alg, cfg.generator.max_tokens)
     meta = ADVANTAGES.static_meta(alg.advantage)
     critic = meta.get("critic", False)
@@ -181,9 +187,9 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
         assert step.group_size > 1, "group advantages need equal-sized groups of at least two samples"
     # Every rank holds the whole step, so group baselines and batch-wide whitening need no collective.
     x = adv_fns.AdvantageInputs(rewards_S.view(-1, 1 if critic else step.group_size), mask_ST, alg, kl_ST,
-                                step.grid(values_N) if values_N is not None else None,
-                                logp_BT=step.grid(prox) if sum_pi2 is not None else None,
-                                sum_pi2_BT=step.grid(sum_pi2) if sum_pi2 is not None else None,
+                                pv.grid(values_N) if values_N is not None else None,
+                                logp_BT=pv.grid(prox) if sum_pi2 is not None else None,
+                                sum_pi2_BT=pv.grid(sum_pi2) if sum_pi2 is not None else None,
                                 baselines_G=step.baselines_G,
                                 is_weights_BT=otb_is_weights(step, prox, alg) if alg.otb_is_weights else None)
     adv_ST, returns_ST = adv_fns.estimate(x)
@@ -194,10 +200,10 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
         # The adaptive KL controller's statistic, KL(pi_prox || pi_ref) over the tokens the loss
         # trains, measured at pi_prox (as verl measures it at the old policy), not after earlier
         # mini-batches' updates. With one update per step the learner's first pass measures the same.
-        kept_ST = mask_ST if keep is None else step.grid(keep)
-        kl_at_prox_ST = step.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator))
+        kept_ST = mask_ST if keep is None else pv.grid(keep)
+        kl_at_prox_ST = pv.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator))
         stats["kl"] = (kl_at_prox_ST * kept_ST).sum() / kept_ST.sum().clamp(min=1)
-    return Targets(step.flat(adv_ST), prox, ref_N, step.flat(returns_ST) if returns_ST is not None else None,
+    return Targets(pv.flat(adv_ST), prox, ref_N, pv.flat(returns_ST) if returns_ST is not None else None,
                    values_N if critic else None, keep, scale, stats)
 
 
@@ -260,7 +266,8 @@ def kept_counts(step: StepBatch, mbatch, kept_S: torch.Tensor | None) -> tuple[i
         return mbatch.num_tokens, mbatch.num_seqs
     seqs = [s for rank_micro in mbatch.micro for micro in rank_micro for s in micro]
     kept = kept_S[seqs].tolist() if seqs else []
-    dropped = sum(1 for s, k in zip(seqs, kept, strict=True) if step.comp_len[s] > 0 and k == 0)
+    policy_len = step.policy_len
+    dropped = sum(1 for s, k in zip(seqs, kept, strict=True) if policy_len[s] > 0 and k == 0)
     return int(round(sum(kept))), mbatch.num_seqs - dropped
 
 
@@ -285,7 +292,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     norm_tokens = alg.loss_norm_tokens or cfg.generator.max_tokens
     kept_S = None
     if targets.keep_N is not None:
-        kept_S = torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N, targets.keep_N.float())
+        kept_S = torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N,
+                                                                           targets.keep_N.float() * step.mask_N)
     stats, loss_parts, grad_norms = _Stats(), [], []
     w_sum = w_sq = capped = neg_logp = ent_sum = torch.zeros((), device=step.device)
     w_max = torch.full((), float("-inf"), device=step.device)

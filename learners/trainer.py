@@ -563,7 +563,8 @@ class Learner:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         step = build_step(groups, device=self.device)
-        plan = packing.plan_step(step.group_sizes, step.lengths, step.comp_len, world=self.world,
+        # The loss normalisers count the policy's tokens (an episode's observations are not trained on).
+        plan = packing.plan_step(step.group_sizes, step.lengths, step.policy_len, world=self.world,
                                  minibatches=lc.minibatches, epochs=lc.ppo_epochs, budget=self.micro_batch_tokens,
                                  packed=lc.packing, seed=cfg.run.seed * 1_000_003 + self.step)
         micro = rank_micro_batches(plan, self.rank)
@@ -597,8 +598,9 @@ class Learner:
         # Across ranks: token-weighted means (each rank's stat times its token share), maxima for
         # *_max, sums for the losses (each rank holds its part). Grad norms and whole-step
         # statistics are global already.
-        local_tokens = sum(step.comp_len[s] for seqs in micro for s in seqs)
-        share = local_tokens * self.world / max(step.num_tokens, 1)
+        policy_len = step.policy_len
+        local_tokens = sum(policy_len[s] for seqs in micro for s in seqs)
+        share = local_tokens * self.world / max(step.num_policy_tokens, 1)
         global_stats = ("grad_norm", "value_grad_norm", "critic_lr", "value_explained_var", "value_mean",
                         "returns_mean")
         summed = ("loss", "value_loss")
@@ -625,7 +627,7 @@ class Learner:
                    micro_batch_tokens=float(self.micro_batch_tokens))
         if self.cuda:
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        return {**out, "tokens": float(step.num_tokens), "step_s": step_s}
+        return {**out, "tokens": float(step.num_policy_tokens), "step_s": step_s}
 
     def verify_fleet_weights(self, fleet: dict[str, schema.Heartbeat]) -> None:
         """The weights each generator reports holding must be the ones we sent for that version

@@ -81,13 +81,13 @@ def test_builtin_tasks_give_the_rows_they_gave_before(name, reward):
 
 def test_builtin_task_rewards_are_reward_names():
     assert set(registry.task_rewards()) == {"copy", "arith", "gsm8k"}
-    assert set(registry.BUILTIN) == {"copy", "arith", "gsm8k", "prompts"}
+    assert set(registry.BUILTIN) == {"copy", "arith", "gsm8k", "prompts", "calc", "guess", "gsm8k_python"}
     cfg = load_config(None, ["reward.name=arith"])
     assert cfg.reward.name == "arith"
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("nope", "data.task='nope' is neither a built-in task (copy, arith, gsm8k, prompts) nor a task of your own"),
+    ("nope", "data.task='nope' is neither a built-in task (copy, arith, gsm8k, prompts, calc, guess, gsm8k_python) nor a task of your own"),
     ("no_such_module_xyz:TASK", "data.task='no_such_module_xyz:TASK': cannot import 'no_such_module_xyz'"),
     ("asyncrl.tasks.arith:check", "asyncrl.tasks.arith.check is function, not an asyncrl.Task"),
 ])

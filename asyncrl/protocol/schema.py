@@ -17,6 +17,10 @@ import numpy as np
 # `_all_received`). Generators report theirs in their heartbeat; the learner leaves generators of
 # another version out of its weight groups (asyncrl/protocol/fleet.py `admitted`).
 SCHEMA_VERSION = 2
+# 3: a trajectory group of multi-turn episodes (docs/agentic.md). Its samples carry a loss mask (the
+# policy's tokens among the tokens after the prompt, observations between them) and an EpisodeInfo.
+# Only trajectory groups use it; a single-turn group stays version 2, so its frames are unchanged.
+EPISODE_SCHEMA_VERSION = 3
 
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
@@ -54,16 +58,40 @@ class SamplingInfo(msgspec.Struct, frozen=True):
     top_k: int
 
 
+class EpisodeInfo(msgspec.Struct, frozen=True):
+    """How a multi-turn episode went (schema version 3): what the agentic metrics read."""
+
+    turns: int  # assistant turns
+    tool_calls: int = 0  # well-formed tool calls the environment ran
+    tool_errors: int = 0  # malformed or failed tool calls (each answered with an error observation)
+    env_s: float = 0.0  # seconds spent in the environment's steps, all turns
+    end_reason: str = ""  # done | max_turns | max_tokens | length | env_timeout | env_error:<Type>
+
+
 class Sample(msgspec.Struct):
-    completion_ids: bytes  # int32 LE, one per generated token
-    logprobs: bytes  # float32 LE, behaviour log-prob of each token after temperature
-    versions: bytes  # int32 LE, policy version that produced each token
+    completion_ids: bytes  # int32 LE, every token after the prompt (one episode: turns and observations)
+    logprobs: bytes  # float32 LE, behaviour log-prob of each token after temperature (0.0 where the mask is 0)
+    versions: bytes  # int32 LE, policy version that produced each token (observations: the turn's before)
     reward: float
     finish_reason: str = ""
+    # Schema version 3 only: uint8 per token, 1 for a token the policy sampled (trained on), 0 for
+    # one the environment or the chat template added. Empty (version 2): every token is the policy's.
+    loss_mask: bytes = b""
+    episode: EpisodeInfo | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.completion_ids) // 4
+
+    def policy_mask(self) -> np.ndarray:
+        """1 for each token the policy sampled, 0 for the others (uint8, num_tokens of them)."""
+        if not self.loss_mask:
+            return np.ones(self.num_tokens, dtype=np.uint8)
+        return np.frombuffer(self.loss_mask, dtype=np.uint8)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return int(self.policy_mask().sum()) if self.loss_mask else self.num_tokens
 
 
 class TrajectoryGroup(msgspec.Struct, tag="trajectory_group"):
@@ -218,8 +246,10 @@ def decode(data: bytes, cls: type, max_bytes: int = sys.maxsize, max_tokens: int
         raise FrameError("schema", str(e)) from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         raise FrameError("decode", str(e)) from None
-    if message.schema_version != SCHEMA_VERSION:
-        raise FrameError("schema_version", f"got {message.schema_version}, expected {SCHEMA_VERSION}")
+    accepted = (SCHEMA_VERSION, EPISODE_SCHEMA_VERSION) if isinstance(message, TrajectoryGroup) else (SCHEMA_VERSION,)
+    if message.schema_version not in accepted:
+        raise FrameError("schema_version", f"got {message.schema_version}, expected "
+                         f"{' or '.join(map(str, accepted))}")
     if isinstance(message, TrajectoryGroup):
         validate_group(message, max_tokens=max_tokens)
     return message
@@ -272,11 +302,35 @@ def validate_group(group: TrajectoryGroup, max_tokens: int | None = None) -> Non
             raise FrameError("too_long", f"sample {i} has {n // 4} tokens > {max_tokens}")
         if not math.isfinite(s.reward):
             raise FrameError("bad_reward", f"sample {i} reward {s.reward}")
+        _validate_episode(group.schema_version, i, s)
         lp = unpack_f32(s.logprobs)
         if not np.all(np.isfinite(lp)) or np.any(lp > 1e-4):
             raise FrameError("bad_logprob", f"sample {i} has non-finite or positive log-probs")
         if np.any(unpack_i32(s.versions) < 0) or np.any(unpack_i32(s.completion_ids) < 0):
             raise FrameError("bad_array", f"sample {i} has negative token ids or versions")
+
+
+def _validate_episode(schema_version: int, i: int, s: Sample) -> None:
+    """A version-2 sample has no episode fields; a version-3 one has a loss mask of one 0/1 byte per
+    token with at least one policy token (the first turn is the policy's), and sane episode counts."""
+    if schema_version != EPISODE_SCHEMA_VERSION:
+        if s.loss_mask or s.episode is not None:
+            raise FrameError("schema_version", f"sample {i} carries episode fields (loss_mask, episode), which need "
+                             f"schema_version {EPISODE_SCHEMA_VERSION}, not {schema_version}")
+        return
+    if len(s.loss_mask) != s.num_tokens:
+        raise FrameError("bad_mask", f"sample {i}: loss_mask of {len(s.loss_mask)} bytes for {s.num_tokens} tokens")
+    mask = s.policy_mask()
+    if np.any(mask > 1):
+        raise FrameError("bad_mask", f"sample {i}: loss_mask values other than 0 and 1")
+    if not mask.any():
+        raise FrameError("bad_mask", f"sample {i}: loss_mask has no policy token")
+    e = s.episode
+    if e is not None:
+        if min(e.turns, e.tool_calls, e.tool_errors) < 0 or not (math.isfinite(e.env_s) and e.env_s >= 0):
+            raise FrameError("bad_episode", f"sample {i}: episode {e}")
+        if len(e.end_reason) > MAX_ID_CHARS:
+            raise FrameError("bad_id", f"sample {i} end_reason longer than {MAX_ID_CHARS} characters")
 
 
 # ---- validation against the run ----------------------------------------------------------------------
@@ -296,10 +350,14 @@ class RunLimits(msgspec.Struct, frozen=True):
     @classmethod
     def from_config(cls, cfg, vocab_size: int | None) -> RunLimits:
         from asyncrl.registry import ADVANTAGES  # the standard library only: reads the decorators' source
+        from asyncrl.tasks.registry import has_environment  # the standard library only, until a task is asked
 
         g = cfg.generator
+        # An episode's tokens after the prompt (turns and observations) are bounded by env.max_tokens
+        # (0: the model length), not by one turn's generator.max_tokens.
+        max_tokens = (cfg.env.max_tokens or g.max_model_len) if has_environment(cfg) else g.max_tokens
         return cls(vocab_size=vocab_size, sampling=SamplingInfo(float(g.temperature), float(g.top_p), int(g.top_k)),
-                   max_tokens=g.max_tokens, max_model_len=g.max_model_len,
+                   max_tokens=max_tokens, max_model_len=g.max_model_len,
                    needs_baseline=bool(ADVANTAGES.static_meta(cfg.algorithm.advantage).get("greedy_baseline")))
 
 

@@ -10,6 +10,12 @@ check. The built-in ones (a module each, holding `TASK`):
 | `arith` | asyncrl/tasks/arith.py | integer problems; the held-out tenth of the problem space | `arith` |
 | `gsm8k` | asyncrl/tasks/gsm8k.py | `data.path`; held out: its test split | `gsm8k` (and `math`) |
 | `prompts` | asyncrl/tasks/prompts.py | `data.path`; held out: its test split | none: `reward.*` decides |
+| `calc` | asyncrl/envs/calc.py | multiplications; a calculator tool (multi-turn) | the environment's |
+| `guess` | asyncrl/envs/guess.py | a secret number; "higher"/"lower" replies (multi-turn) | the environment's |
+| `gsm8k_python` | asyncrl/envs/python_tool.py | `data.path` (GSM8K); a sandboxed Python tool (multi-turn) | the environment's |
+
+A task with an `environment` is played as multi-turn episodes (docs/agentic.md): its environment,
+made per episode from the row, answers each assistant turn and gives the reward; `reward.*` is not used.
 
 A built-in task's reward is registered under the task's name (`reward.name=arith`); the config
 still picks the reward (`reward.name`, `reward.function`, `reward.model`), as it always has.
@@ -43,6 +49,9 @@ BUILTIN: dict[str, str] = {
     "arith": "asyncrl.tasks.arith",
     "gsm8k": "asyncrl.tasks.gsm8k",
     "prompts": "asyncrl.tasks.prompts",
+    "calc": "asyncrl.envs.calc",
+    "guess": "asyncrl.envs.guess",
+    "gsm8k_python": "asyncrl.envs.python_tool",
 }
 # Rewards that belong to no task (asyncrl/tasks/rewards.py); `math` is the GSM8K reward's other name.
 GENERIC_REWARDS = ("math", "exact_match", "format")
@@ -53,13 +62,16 @@ class Task:
     """What a task brings. `train_rows(cfg)` and `eval_rows(cfg)` return `PromptRecord`s (prompt_id,
     prompt, answer); evaluation takes the first `eval.num_prompts` held-out rows. `reward(completion,
     answer, **row)` scores a completion (None: `reward.*` decides). `check(cfg)` returns config
-    errors, one line each, naming the key and the fix (empty: the settings are fine)."""
+    errors, one line each, naming the key and the fix (empty: the settings are fine).
+    `environment(cfg, row)`: an `asyncrl.envs.base.Environment` for one episode of the row; a task
+    with one is played as multi-turn episodes, scored by its environment."""
 
     name: str
     train_rows: Rows
     eval_rows: Rows | None = None
     reward: Callable[..., float] | None = None
     check: Callable[[Config], list[str]] | None = None
+    environment: Callable[..., object] | None = None
 
 
 def task_names() -> tuple[str, ...]:
@@ -90,6 +102,11 @@ def get_task(spec: str) -> Task:
     return task
 
 
+def has_environment(cfg: Config) -> bool:
+    """Whether `data.task` is played as multi-turn episodes (its task has an environment)."""
+    return get_task(cfg.data.task).environment is not None
+
+
 def module_function(fn: Callable, who: str) -> str:
     """`module:function` of a module-level function another process can import by that name."""
     qualname = getattr(fn, "__qualname__", repr(fn))
@@ -114,11 +131,27 @@ def config_errors(cfg: Config) -> list[str]:
     if cfg.eval.every > 0 and task.eval_rows is None and not cfg.eval.path:
         errors.append(f"data.task={cfg.data.task} has no held-out rows: set eval.path to a held-out file, or "
                       "eval.every=0")
+    if task.environment is not None:
+        errors += environment_errors(cfg)
     if cfg.data.task not in BUILTIN and task.reward is not None and not (cfg.reward.function or cfg.reward.model):
         try:
             cfg.reward.function = module_function(task.reward, f"data.task={cfg.data.task}: its reward")
         except ValueError as e:
             errors.append(str(e))
+    return errors
+
+
+def environment_errors(cfg: Config) -> list[str]:
+    """What multi-turn episodes need of the rest of the config."""
+    errors = []
+    if cfg.env.max_tokens and cfg.env.max_tokens >= cfg.generator.max_model_len:
+        errors.append(f"env.max_tokens={cfg.env.max_tokens} must be below generator.max_model_len="
+                      f"{cfg.generator.max_model_len} (the prompt needs room), or 0 for up to the model length")
+    if cfg.eval.every > 0:
+        errors.append(f"data.task={cfg.data.task} is played as episodes, which periodic evaluation does not run: "
+                      "set eval.every=0")
+    if cfg.generator.backend != "vllm":
+        errors.append(f"data.task={cfg.data.task}: multi-turn episodes run on generator.backend=vllm")
     return errors
 
 
