@@ -57,10 +57,6 @@ def apply_lora(model: nn.Module, lc) -> nn.Module:
     return inner
 
 
-def is_lora(model: nn.Module) -> bool:
-    return any(_is_lora_layer(m) for m in model.modules())
-
-
 def _is_lora_layer(module: nn.Module) -> bool:
     from peft.tuners.lora import Linear as LoraLinear
 

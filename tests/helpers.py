@@ -88,3 +88,26 @@ def fixed_groups(num, seed=0, n=4):
                                           samples=samples, sampling=schema.SamplingInfo(1.0, 1.0, -1),
                                           created_at=time.time()))
     return out
+
+
+def aggregate(loss_BT, mask_BT, mode: str, norm_tokens: int | None = None):
+    """`mode` (algorithm.aggregation) over this batch alone (`norm_tokens` defaults to T): the whole
+    batch that the learner's parts (`aggregate_normalised`) must add up to."""
+    from asyncrl.algorithms.aggregation import aggregate_normalised
+
+    return aggregate_normalised(loss_BT, mask_BT, mode, int(mask_BT.sum().item()), loss_BT.shape[0],
+                                loss_BT.shape[1] if norm_tokens is None else norm_tokens)
+
+
+def token_logprobs(logits_BTV, targets_BT, temperature: float, chunk: int = 1024):
+    """log softmax(logits / temperature) at `targets`, in fp32 over row chunks: the plain full-logits
+    reference the learner's log-probs are checked against."""
+    import torch
+
+    flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
+    tgt = targets_BT.reshape(-1)
+    out = []
+    for i in range(0, flat.shape[0], chunk):
+        rows = flat[i:i + chunk].float() / temperature
+        out.append(rows.gather(1, tgt[i:i + chunk, None]).squeeze(1) - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out).view_as(targets_BT)

@@ -16,8 +16,9 @@ from asyncrl.algorithms import advantages as A
 from asyncrl.algorithms import kl as K
 from asyncrl.algorithms import losses as L
 from asyncrl.algorithms import rollout_correction as RC
-from asyncrl.algorithms.aggregation import aggregate, aggregate_normalised
+from asyncrl.algorithms.aggregation import aggregate_normalised
 from asyncrl.config import AlgorithmConfig, ConfigError, load_config
+from tests.helpers import aggregate
 
 ROOT = Path(__file__).resolve().parent.parent
 F64 = torch.float64

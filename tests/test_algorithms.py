@@ -5,8 +5,8 @@ import math
 import torch
 
 from asyncrl.algorithms.advantages import grpo as grpo_advantages
-from asyncrl.algorithms.aggregation import aggregate, token_logprobs
 from asyncrl.algorithms.losses import decoupled_ppo
+from tests.helpers import aggregate, token_logprobs
 
 
 def test_grpo_advantages_by_hand():

@@ -8,13 +8,12 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.algorithms.advantages import grpo as grpo_advantages
-from asyncrl.algorithms.aggregation import aggregate, token_logprobs
 from asyncrl.algorithms.losses import decoupled_ppo
 from asyncrl.config import Config
 from asyncrl.tools.tiny_model import tiny_config
 from learners.logprobs import linear_logprobs, sequence_logprobs
 from learners.step import policy_update
-from tests.helpers import gloo_group
+from tests.helpers import aggregate, gloo_group, token_logprobs
 
 
 def naive_linear_logprobs(h, w, b, targets, temperature):

@@ -143,15 +143,6 @@ def whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6,
     return (x_BT - mean) / (std + eps) * mask
 
 
-def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,
-               mask_BT: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
-    """PPO value clipping: max of the unclipped and the clipped squared error, token mean."""
-    clipped = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
-    err = torch.maximum((values_BT - returns_BT) ** 2, (clipped - returns_BT) ** 2)
-    mask = mask_BT.to(err.dtype)
-    return 0.5 * (err * mask).sum() / mask.sum().clamp(min=1)
-
-
 def optimal_token_baseline(scores_B: torch.Tensor, mask_BT: torch.Tensor, logp_BT: torch.Tensor,
                            sum_pi2_BT: torch.Tensor, group_size: int, kl_BT: torch.Tensor | None = None,
                            eps: float = 1e-8, is_weights_BT: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Loss aggregation and token log-probs: pure functions on tensors, shapes in the names.
+"""Loss aggregation: pure functions on tensors, shapes in the names.
 
 B = sequences in the batch, T = completion tokens (padded). Advantages are in asyncrl/algorithms/advantages.py,
 policy losses in asyncrl/algorithms/losses.py.
@@ -15,10 +15,6 @@ from __future__ import annotations
 import torch
 
 from asyncrl.registry import AGGREGATIONS
-
-
-def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    return (x_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
 
 
 @AGGREGATIONS.register("token_mean", ref="DAPO (arXiv:2503.14476)")
@@ -51,29 +47,9 @@ def _token_sum(loss_BT, mask_BT, num_tokens: int, num_seqs: int, norm_tokens: in
     return (loss_BT * mask_BT).sum()
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm_tokens: int | None = None) -> torch.Tensor:
-    """`mode` (algorithm.aggregation) over this batch alone; `norm_tokens` defaults to T."""
-    num_seqs = loss_BT.shape[0]
-    return aggregate_normalised(loss_BT, mask_BT, mode, int(mask_BT.sum().item()), num_seqs,
-                                loss_BT.shape[1] if norm_tokens is None else norm_tokens)
-
-
 def aggregate_normalised(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, num_tokens: int,
                          num_seqs: int, norm_tokens: int = 1) -> torch.Tensor:
-    """This part's share of `aggregate` over a larger batch of `num_tokens` valid tokens and
-    `num_seqs` sequences that it is a slice of (a micro-batch of a mini-batch, one rank's part):
-    sum the parts and get `aggregate` of the whole, whatever the split (whole sequences per part)."""
+    """This part's share of `mode` (algorithm.aggregation) over a larger batch of `num_tokens` valid
+    tokens and `num_seqs` sequences that it is a slice of (a micro-batch of a mini-batch, one rank's
+    part): sum the parts and get the aggregate of the whole, whatever the split (whole sequences per part)."""
     return AGGREGATIONS.get(mode).fn(loss_BT, mask_BT, num_tokens, num_seqs, norm_tokens)
-
-
-def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float,
-                   chunk: int = 1024) -> torch.Tensor:
-    """log softmax(logits / temperature) at `targets`, computed in fp32 over row chunks so the full
-    B x T x V fp32 tensor is never materialised at once."""
-    flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
-    tgt = targets_BT.reshape(-1)
-    out = []
-    for i in range(0, flat.shape[0], chunk):
-        rows = flat[i:i + chunk].float() / temperature
-        out.append(rows.gather(1, tgt[i:i + chunk, None]).squeeze(1) - torch.logsumexp(rows, dim=-1))
-    return torch.cat(out).view_as(targets_BT)

@@ -3,7 +3,7 @@
 Notation: logp = log pi_theta (with grad), prox = log pi_prox (the policy the PPO trust region is
 around; the current policy before this batch's updates), behav = log mu (the generator's policy that
 sampled the tokens, possibly several versions old). Every function returns the per-token loss
-[B, T] before aggregation (asyncrl.algorithms.aggregation.aggregate) and a dict of statistics (0-dim tensors).
+[B, T] before aggregation (asyncrl/algorithms/aggregation.py) and a dict of statistics (0-dim tensors).
 
 The registered entries (asyncrl/registry.py POLICY_LOSSES, the values of algorithm.loss) take one
 `LossInputs` and read their options from the algorithm config; the functions they call take tensors
@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.algorithms.kl import kl_estimate  # noqa: F401  (the KL estimators live in asyncrl/algorithms/kl.py)
 from asyncrl.registry import IS_WEIGHT_CORRECTIONS, POLICY_LOSSES
 
 if TYPE_CHECKING:
