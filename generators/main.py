@@ -31,12 +31,12 @@ import traceback
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from asyncrl.algorithms.sampling import heartbeat_fields
 from asyncrl.config import Config
 from asyncrl.modes import may_generate
 from asyncrl.protocol import fleet, notify, retry, schema, security
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, aconnect
 from asyncrl.protocol.notify import AsyncNotifications
+from asyncrl.protocol.sampling import heartbeat_fields
 from asyncrl.tasks.data import encode_prompt
 from asyncrl.tasks.rewards import RewardPool, build_reward
 from generators.drain import hand_back
@@ -115,7 +115,7 @@ class Generator:
         # A finished or foreign run of this name is refused before anything of it is read.
         await asyncio.to_thread(claim_from_config, self.cfg, f"generator {self.id}")
         self.notes = AsyncNotifications(self.cfg.buffer.redis_url, self.keys)  # its reader runs in run()
-        from asyncrl.algorithms import sampling
+        from asyncrl.protocol import sampling
 
         await sampling.check_generator(self.redis, self.keys, self.cfg.generator, self.id)  # before the engine
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)

@@ -269,7 +269,7 @@ class Learner:
         claim(self.client, self.keys, cfg, "learner")  # a finished or foreign run of this name is refused
         ensure_groups(self.client, self.keys)  # idempotent; the learner may start before the buffer
         self.client.delete(self.keys.stop, self.keys.stop_request)
-        from asyncrl.algorithms import sampling
+        from asyncrl.protocol import sampling
 
         # Refuse to start next to generators that sample differently; publish ours for late ones.
         sampling.check_fleet(self.client, self.keys, cfg.generator)

@@ -12,9 +12,8 @@ import time
 import pytest
 import torch
 
-from asyncrl.algorithms import sampling
 from asyncrl.config import dump_yaml
-from asyncrl.protocol import schema
+from asyncrl.protocol import sampling, schema
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, connect
 from asyncrl.protocol.weight_sync import WeightSender, pack_buckets, plan_buckets
 from tests.buffer_support import BufferProcess, wait_for

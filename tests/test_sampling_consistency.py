@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from asyncrl.algorithms import sampling
 from asyncrl.config import ConfigError
+from asyncrl.protocol import sampling
 from asyncrl.protocol.keys import Keys, aconnect, connect
 
 

@@ -77,7 +77,7 @@ class Keys:
 
     @property
     def sampling(self) -> str:
-        """JSON: the learner's temperature/top_p/top_k, checked by every generator at start (asyncrl/algorithms/sampling.py)."""
+        """JSON: the learner's temperature/top_p/top_k, checked by every generator at start (asyncrl/protocol/sampling.py)."""
         return self._k("sampling")
 
     @property

@@ -429,7 +429,7 @@ class Heartbeat(msgspec.Struct):
     sync_s_total: float = 0.0
     last_pause_s: float = 0.0
     num_syncs: int = 0
-    sampling_temperature: float | None = None  # asyncrl/algorithms/sampling.py; None from a build that reports none
+    sampling_temperature: float | None = None  # asyncrl/protocol/sampling.py; None from a build that reports none
     sampling_top_p: float | None = None
     sampling_top_k: int | None = None
     checksums: list[int] = msgspec.field(default_factory=list)  # of the buckets of `version` it received

@@ -8,7 +8,8 @@ nobody sees, and training quietly diverges. So the learner publishes its setting
 - a generator whose config disagrees with the published settings refuses to start;
 - the learner refuses to start when a live generator's heartbeat reports different settings.
 
-Groups carry their SamplingInfo as well (learners/trainer.py `check_sampling`), which catches a
+Groups carry their SamplingInfo as well, checked against the run's settings at the buffer's ingest
+and before the learner trains (asyncrl/protocol/schema.py `validate_for_run`), which catches a
 generator that changed after both had started.
 """
 
