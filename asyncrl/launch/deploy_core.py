@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.logs import setup_logging
+
 log = logging.getLogger("asyncrl.launch.deploy_core")
 
 LEAVE_GRACE_S = 60.0  # after the buffer left: time for generators to drain before Redis goes
@@ -72,7 +74,6 @@ def run_core(config_path: str, backend: str, overrides: list[str] | None = None)
     from asyncrl.launch.affinity import check_available, cpus_of
     from asyncrl.launch.elastic import publish_backend
     from asyncrl.launch.redis_server import LocalRedis
-    from asyncrl.logs import setup_logging
     from asyncrl.protocol.keys import Keys, connect
     from asyncrl.protocol.security import (
         advertised_host,

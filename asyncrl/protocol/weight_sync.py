@@ -45,6 +45,7 @@ from asyncrl.protocol.schema import (
     WeightAnnouncement,
     encode,
 )
+from asyncrl.protocol.tcpstore import master_store
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,6 @@ class WeightSender:
     def __init__(self, host: str, port: int, backend: str, join_timeout_s: float, sync_timeout_s: float,
                  first_epoch: int = 0, advertise: str = "", choose: Callable[[list[str]], str] | None = None):
         """`backend` is every epoch's, unless `choose` (members -> backend) picks each epoch's."""
-        from asyncrl.protocol.tcpstore import master_store
         from asyncrl.protocol.security import advertised_host
 
         # Listens on `host` (deploy.bind_host) only: torch's own master would bind every interface.
