@@ -203,7 +203,8 @@ class BufferService:
             nbytes += len(frame)
         pipe = self.client.pipeline(transaction=False)
         valid = []
-        max_bytes, max_tokens = self.cfg.buffer.max_frame_bytes, self.cfg.generator.max_tokens
+        # An episode's tokens are bounded by env.max_tokens, a single completion's by generator.max_tokens.
+        max_bytes, max_tokens = self.cfg.buffer.max_frame_bytes, self.limits.max_tokens
         for frame in frames:
             buf = frame.buffer
             try:

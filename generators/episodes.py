@@ -8,8 +8,9 @@ turn did not sample), its behaviour log-prob (0.0 where the mask is 0) and the p
 sampled under (an episode may span weight updates: each turn is stamped as it streams in).
 
 What ends an episode, recorded as its `end_reason`: the environment says `done`; `max_turns`
-(env.max_turns assistant turns); `max_tokens` (env.max_tokens, or the model length, reached);
-`length` (a turn cut off by its token budget: nothing well-formed to act on); `env_timeout` (a step
+(env.max_turns assistant turns); `max_tokens` (env.max_tokens, or the model length, reached; a
+turn cut off by generator.max_tokens alone is still a turn: the environment answers it);
+`env_timeout` (a step
 took longer than env.step_timeout_s); `env_error:<Type>` (the environment raised). The generator
 never fails because of its environment.
 """
@@ -143,8 +144,8 @@ async def _play(engine, codec, env, prompt_ids, version, limits, ep: EpisodeOut)
         ep.turns += 1
         ep.finish_reason = turn.finish_reason
         ep.add(turn.token_ids, turn.logprobs, turn.versions, policy=True)
-        if turn.finish_reason != "stop" or not turn.token_ids:
-            ep.end_reason = "length" if budget == limits.turn_tokens else "max_tokens"
+        if not turn.token_ids or (turn.finish_reason != "stop" and budget < limits.turn_tokens):
+            ep.end_reason = "max_tokens"  # the episode's budget, not the turn's, cut it off
             return
         text = codec.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
         t0 = time.monotonic()
@@ -174,7 +175,8 @@ async def _play(engine, codec, env, prompt_ids, version, limits, ep: EpisodeOut)
         else:
             observation = [{**m, "content": clip_observation(m["content"], limits.max_observation_chars)}
                            for m in observation]
-        # A turn that stopped on a stop condition other than the end-of-turn token still needs it.
+        # A turn that ended without its end-of-turn token (another stop condition, or generator.max_tokens)
+        # gets it from the template's side, outside the loss.
         closing = [] if turn.token_ids[-1] in codec.eos_ids else [codec.turn_end_id]
         obs_ids = closing + codec.observation_ids(observation)
         if len(ep.token_ids) + len(obs_ids) >= min(limits.max_tokens, limits.max_model_len - len(prompt_ids)):

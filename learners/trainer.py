@@ -890,6 +890,9 @@ class Learner:
         baselines = [g.baseline_reward for g in groups if g.baseline_reward is not None]
         if baselines:  # advantage=remax: the greedy completions' rewards the samples were measured against
             row["baseline_reward_mean"] = sum(baselines) / len(baselines)
+        from asyncrl.observe.episodes import episode_metrics
+
+        row.update(episode_metrics(groups))  # episode/*: multi-turn episodes' turns, tool calls, environment time
         row.update(self.evaluator.after_step(self.step, self.version))  # eval/* of a round that finished
         self.obs.on_step(row, rewards, fleet)  # adds reward quantiles, dropped fraction, fleet metrics
         self.client.hset(self.keys.learner, mapping={"step": self.step, "version": self.version,

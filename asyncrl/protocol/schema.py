@@ -65,7 +65,7 @@ class EpisodeInfo(msgspec.Struct, frozen=True):
     tool_calls: int = 0  # well-formed tool calls the environment ran
     tool_errors: int = 0  # malformed or failed tool calls (each answered with an error observation)
     env_s: float = 0.0  # seconds spent in the environment's steps, all turns
-    end_reason: str = ""  # done | max_turns | max_tokens | length | env_timeout | env_error:<Type>
+    end_reason: str = ""  # done | max_turns | max_tokens | env_timeout | env_error:<Type>
 
 
 class Sample(msgspec.Struct):
