@@ -1,0 +1,31 @@
+"""Multi-turn episodes through the whole pipeline: redis-server, buffer, the vLLM CPU generator playing
+the guessing game, the FSDP2 learner training on the policy's tokens."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_the_guessing_game_runs_multi_turn_episodes_end_to_end(tmp_path):
+    steps = 3
+    config = (Path(__file__).parent.parent / "configs" / "guess_cpu.yaml")
+    r = subprocess.run([sys.executable, "-m", "asyncrl", "run", str(config), f"run.max_steps={steps}",
+                        f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "guess_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    for row in rows:
+        # Episodes of several turns, each turn answered by the game; observations are not the policy's.
+        assert 1 < row["episode/turns_mean"] <= 4 and row["episode/turns_max"] <= 4
+        assert 0 < row["episode/policy_token_frac"] < 1
+        assert row["episode/tool_calls_mean"] + row["episode/tool_errors_mean"] > 0
+        assert row["episode/env_s_mean"] >= 0
+        ends = sum(v for k, v in row.items() if k.startswith("episode/end_"))
+        assert ends == pytest.approx(1.0)
+        # The learner's token count is the policy's tokens only: at most max_tokens (4) per turn.
+        assert 0 < row["tokens"] <= 2 * 4 * row["episode/turns_mean"] * 4 * 4
+        assert row["loss"] == row["loss"] and row["grad_norm"] == row["grad_norm"]  # finite, trained
