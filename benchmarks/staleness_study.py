@@ -143,10 +143,13 @@ def cmd_report(args) -> int:
         import matplotlib.pyplot as plt
 
         fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-        for name, a in arms.items():
-            style = "-" if name.startswith("decoupled") else "--"
-            ax_t.plot([p["t_s"] / 60 for p in a["curve"]], [p["pass@1"] for p in a["curve"]], style, label=name)
-            ax_s.plot([p["samples"] / 1000 for p in a["curve"]], [p["pass@1"] for p in a["curve"]], style, label=name)
+        colours = {}
+        for name, a in arms.items():  # one colour per lag, solid for decoupled PPO, dashed for the others
+            lag = name.rsplit("_k", 1)[-1]
+            style = dict(color=colours.setdefault(lag, f"C{len(colours)}"),
+                         linestyle="-" if name.startswith("decoupled") else "--", label=name)
+            ax_t.plot([p["t_s"] / 60 for p in a["curve"]], [p["pass@1"] for p in a["curve"]], **style)
+            ax_s.plot([p["samples"] / 1000 for p in a["curve"]], [p["pass@1"] for p in a["curve"]], **style)
         ax_t.set_xlabel("minutes from launch")
         ax_s.set_xlabel("thousand samples trained")
         ax_t.set_ylabel("held-out greedy accuracy")
