@@ -121,6 +121,9 @@ def test_a_group_sampled_ahead_of_the_learner_is_dropped_never_trained(tmp_path,
     assert client.xpending(keys.trajectories, LEARNER_GROUP)["pending"] == 2  # only the handed-out ones
 
 
+UNKNOWN_VERSION = max(schema.SCHEMA_VERSION, schema.EPISODE_SCHEMA_VERSION) + 1  # no frame of this code carries it
+
+
 def _other_schema(group: schema.TrajectoryGroup, version: int) -> bytes:
     raw = msgspec.msgpack.decode(schema.encode(group))
     raw["schema_version"] = version
@@ -134,7 +137,7 @@ def test_every_unreadable_entry_is_quarantined_on_the_fresh_and_the_recovery_pat
     cfg = buffer_cfg(tmp_path, redis_server, "run.name=unread", "learner.batch_groups=1")
     client, keys = connect(redis_server.url), Keys("unread")
     ensure_groups(client, keys)
-    bad = [{"data": _other_schema(make_group("v3@e0"), schema.SCHEMA_VERSION + 1)}, {"nodata": b"1"},
+    bad = [{"data": _other_schema(make_group("v3@e0"), UNKNOWN_VERSION)}, {"nodata": b"1"},
            {"data": b"\x93\x01\x02"}]
     for fields in bad:
         client.xadd(keys.trajectories, fields)
@@ -217,7 +220,7 @@ def test_a_learner_resuming_an_old_runs_redis_trains_no_leftover_reports_its_sta
         path.write_text(dump_yaml(cfg))
         client, keys = connect(redis.url), Keys("old")
         _finished_run(client, keys, cfg, leftovers=3)
-        v3 = _other_schema(make_group("v3@e0"), schema.SCHEMA_VERSION + 1)
+        v3 = _other_schema(make_group("v3@e0"), UNKNOWN_VERSION)
         client.xadd(keys.trajectories, {"data": v3})
         client.xreadgroup(LEARNER_GROUP, "learner-0", {keys.trajectories: ">"})  # pending, as a crash leaves them
         client.xadd(keys.trajectories, {"data": v3})  # and one on the fresh path
