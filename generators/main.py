@@ -127,6 +127,9 @@ class Generator:
         from asyncrl.observe import timeline
 
         await timeline.mark(self.redis, self.keys, f"{self.id} process", timeline.process_start())
+        # From here the engine's own start (vLLM: its engine process, model load, compile, graphs):
+        # what comes before it is this process's imports, Redis and the tokenizer.
+        await timeline.mark(self.redis, self.keys, f"{self.id} engine start")
         if self.engine is None:
             from generators.backends import build_engine
 
