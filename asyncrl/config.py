@@ -243,11 +243,13 @@ class GeneratorConfig(Section):
     tensor_parallel_size: Annotated[int, AtLeastOne] = 1
     max_num_seqs: Annotated[int, NonNegative] = 0
     """sequences vLLM runs in one engine step; 0: vLLM's defaults for offline batch inference on this
-    device (1024 on a CUDA GPU of 70 GB or more, else 256), not its engine default of 128, which runs
-    a step's samples in waves (32 prompts x 8 samples are 256 sequences)"""
+    device (1024 on a CUDA GPU of 70 GB or more other than an A100, 256 on other GPUs and per rank
+    on the CPU), not its engine default of 128, which runs the samples in flight in waves (32
+    prompts x 8 samples are 256 sequences)"""
     max_num_batched_tokens: Annotated[int, NonNegative] = 0
     """tokens vLLM schedules in one engine step; 0: vLLM's defaults for offline batch inference on
-    this device (16384 on a CUDA GPU of 70 GB or more, 8192 on a smaller one, 4096 on the CPU)"""
+    this device (16384 on a CUDA GPU of 70 GB or more other than an A100, 8192 on other GPUs, 4096
+    per rank on the CPU)"""
     kv_cache_gb: Annotated[float, Positive] = 1.0
     """CPU build only: VLLM_CPU_KVCACHE_SPACE"""
     kv_cache_memory_gb: Annotated[float, NonNegative] = 0.0
@@ -343,7 +345,10 @@ class LearnerConfig(Section):
     """One step on synthetic groups of the run's shape before the first batch, with every learning
     rate at 0 and the optimizer state emptied after it (learners/warmup.py): the first step's kernel
     selection, autotuning and allocations happen while the generators' engines start. auto: on CUDA,
-    on a fresh start (never after a resume)."""
+    on a fresh start (never after a resume). On a GPU it shares with a vLLM engine that measures its
+    KV cache (generator.kv_cache_memory_gb=0), a warm-up step that overlaps the engine's memory
+    profile makes that cache smaller by what the step holds (the memory is handed back after it): set
+    generator.kv_cache_memory_gb, or off, where the two starts coincide."""
     keep_logits_gb: Annotated[float, NonNegative] = 4.0
     """Keep the output head's logits (matmul dtype) for the backward instead of recomputing them, when
     all of one micro-batch's completion-token logits fit in this many GiB (0: always recompute)."""

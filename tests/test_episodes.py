@@ -2,6 +2,7 @@
 tokens, tool-call parsing, the shipped environments and the Python sandbox."""
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -191,6 +192,37 @@ def test_the_sandbox_runs_a_program_and_holds_it_to_its_limits():
     assert secret.exit_code == 1 and "may not open" in secret.stderr
     assert not spawn.ok and "not allowed" in spawn.stderr
     assert spin.exit_code is not None and spin.exit_code < 0  # SIGXCPU at the CPU limit
+
+
+def test_the_sandbox_refuses_the_ways_around_its_audit_hook(tmp_path):
+    """Native spawn helpers, renames and links out of its folder, truncation and mode changes outside
+    it, changing directory, forking; run as root, the program runs as `nobody`."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("intact")
+    limits = SandboxLimits(cpu_s=1, memory_mb=256, output_bytes=512, timeout_s=3.0)
+    attacks = {
+        "posixsubprocess": "import _posixsubprocess",
+        "rename_out": f"open('x', 'w').write('1'); import os; os.rename('x', {str(tmp_path / 'moved')!r})",
+        "link_out": f"open('x', 'w').write('1'); import os; os.link('x', {str(tmp_path / 'linked')!r})",
+        "truncate": f"import os; os.truncate({str(victim)!r}, 0)",
+        "chmod": f"import os; os.chmod({str(victim)!r}, 0o777)",
+        "chdir": "import os; os.chdir('/'); open('etc/passwd').read()",
+        "fork": "import os; os.fork()",
+        "uid": "import os; print(os.getuid(), os.geteuid())",
+    }
+
+    async def runs():
+        return await asyncio.gather(*(run_python(code, limits) for code in attacks.values()))
+
+    results = dict(zip(attacks, asyncio.run(runs()), strict=True))
+    for name in ("posixsubprocess", "rename_out", "link_out", "truncate", "chmod", "chdir", "fork"):
+        r = results[name]
+        assert not r.ok and ("not allowed" in r.stderr or "may not" in r.stderr), (name, r.stderr[-300:])
+    assert victim.read_text() == "intact" and oct(victim.stat().st_mode & 0o777) != oct(0o777)
+    assert not (tmp_path / "moved").exists() and not (tmp_path / "linked").exists()
+    assert results["uid"].ok, results["uid"].stderr
+    if os.getuid() == 0:
+        assert results["uid"].stdout.split() == ["65534", "65534"], "root runs the program as nobody"
 
 
 def test_the_python_tool_environment_turns_a_failed_run_into_an_error_observation():

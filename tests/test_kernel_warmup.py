@@ -35,6 +35,7 @@ def test_synthetic_groups_have_the_runs_shape():
     step = build_step(groups, "cpu")
     assert max(int(t.max()) for t in step.tokens) < VOCAB and step.num_seqs == 12
     assert step.prompt_len == [5] * 12 and step.comp_len == [7] * 12
+    assert step.baselines_G is not None, "advantage=remax finds the greedy baseline it needs"
 
 
 def test_warm_up_step_leaves_weights_optimizer_schedule_and_kl_controller_as_they_were():
@@ -45,9 +46,14 @@ def test_warm_up_step_leaves_weights_optimizer_schedule_and_kl_controller_as_the
     kl = AdaptiveKLController(0.1, 0.05, 1000)
     kl_before = copy.deepcopy(kl.__dict__)
 
+    torch.manual_seed(11)
+    next_draws = torch.rand(3)
+    torch.manual_seed(11)
     with frozen_training_state([warm_opt], [warm_sched], kl):
         stats = _update(warm, warm_opt, warm_sched, synthetic_groups(4, 4, 5, 7, VOCAB), cfg)
         kl.update(5.0, 16)  # the learner's step moves the controller; the warm-up's move is undone
+        torch.rand(5)  # a loss or dropout drawing random numbers; the draws after it are as before
+    assert torch.equal(torch.rand(3), next_draws), "the random number generator is as it was"
     assert stats["grad_norm"] > 0, "the synthetic step computed real gradients"
     for (name, a), b in zip(warm.named_parameters(), cold.parameters(), strict=True):
         assert torch.equal(a, b), f"{name} moved during the warm-up"

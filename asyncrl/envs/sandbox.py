@@ -8,14 +8,25 @@ What bounds a run (`SandboxLimits`, the `env.sandbox_*` keys):
   files; a wall-clock timeout after which its whole process group is killed;
 - output: stdout is read up to `output_bytes`; past that the process is killed and the output
   marked as cut; of stderr the last `output_bytes` are kept (where a traceback says what failed);
-- no network: a new network namespace with no interface but a down loopback (an unprivileged user
-  namespace makes that possible without root); where the kernel refuses one, an audit hook, which
-  Python code cannot remove, refuses every socket. The same hook refuses subprocesses, exec, fork,
-  signals to other processes and loading native libraries through ctypes;
+- no network: a new network namespace with no interface but a down loopback (made directly by root,
+  through an unprivileged user namespace otherwise); where the kernel refuses one, an audit hook,
+  which Python code cannot remove, refuses every socket;
+- no other process: RLIMIT_NPROC 0 (no fork, no thread), and the audit hook refuses subprocesses,
+  exec, fork, signals, ctypes and the native modules these go through (`_posixsubprocess`,
+  `_ctypes`, `_socket`, `mmap`, ...), and changing directory;
+- no other user's files: run as root, the process drops to `nobody` (no capability left) before the
+  program starts, so the kernel's own permissions apply; a handful of standard-library modules
+  (math, fractions, decimal, statistics, itertools, collections, re, json, random, datetime, ...)
+  are imported before the drop, for an interpreter installed where `nobody` cannot read;
 - nothing of the host's secrets: the environment is scrubbed to PATH, LANG and HOME (the working
   directory); the audit hook lets the program read only its working directory and the Python
-  installation, and write only its working directory; run as root, the process drops to the `nobody` user first where `nobody` can start
-  the interpreter (else it keeps uid 0, without any capability outside its user namespace).
+  installation, and write, rename, link, truncate or change the mode of files only in its working
+  directory.
+
+The audit hook is a second line, not the boundary: the uid drop, the resource limits and the
+namespaces are the kernel's. A program run by a user other than root keeps that user's file
+permissions (behind the audit hook): run untrusted programs as root, which drops to `nobody`, or as
+a user of their own.
 
 `run_python` is a coroutine: the process runs beside the event loop, never blocking it.
 """
@@ -40,9 +51,23 @@ FILE_BYTES = 1 << 20  # the largest file a program may write in its working dire
 # Runs first in the sandboxed interpreter, then the program. The audit hook cannot be removed.
 BOOT = """
 import os, sys
+# Modules a program may import once the process has dropped to `nobody` (an interpreter installed
+# where `nobody` cannot read imports nothing more after the drop).
+import math, cmath, fractions, decimal, statistics, itertools, functools, operator, collections, heapq, bisect
+import re, json, string, random, datetime, textwrap, copy, numbers, enum, dataclasses, typing
+if os.getuid() == 0:  # root (no user namespace): drop to nobody before any of the program runs
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    if os.getuid() == 0 or os.geteuid() == 0:
+        raise SystemExit("the sandbox could not drop root")
 _DENY = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-         "os.kill", "os.killpg", "ctypes.", "pty.", "os.startfile", "shutil.rmtree", "webbrowser.")
+         "os.kill", "os.killpg", "ctypes.", "pty.", "os.startfile", "shutil.rmtree", "webbrowser.", "os.chdir",
+         "os.fchdir", "os.chroot", "os.setuid", "os.setgid", "sys.remote_exec", "os.putenv", "os.unsetenv")
+_NO_IMPORT = {"_posixsubprocess", "_ctypes", "ctypes", "_socket", "socket", "mmap", "_multiprocessing",
+              "multiprocessing", "subprocess", "pty", "resource", "_signal", "signal", "fcntl", "termios"}
 _HOME = os.getcwd()
+_OWN = (_HOME + os.sep,)
 _READ = tuple({os.path.realpath(p) + os.sep for p in (sys.base_prefix, sys.prefix, _HOME)}) + ("/dev/null", "/dev/urandom")
 def _inside(path, roots):
     if isinstance(path, int):
@@ -52,15 +77,20 @@ def _inside(path, roots):
 def _audit(event, args):
     if event.startswith(_DENY):
         raise PermissionError(f"{event} is not allowed in the sandbox")
+    if event == "import" and args and args[0] in _NO_IMPORT:
+        raise PermissionError(f"importing {args[0]} is not allowed in the sandbox")
     if event == "open" and args[0] is not None:
         writing = (isinstance(args[1], str) and any(c in args[1] for c in "wax+")) or (args[2] & 3)
-        if not _inside(args[0], (_HOME + os.sep,) if writing else _READ):
+        if not _inside(args[0], _OWN if writing else _READ):
             raise PermissionError(f"the sandbox may not open {args[0]!r}")
     if event in ("os.listdir", "os.scandir") and args and args[0] is not None and not _inside(args[0], _READ):
         raise PermissionError(f"the sandbox may not list {args[0]!r}")
-    if event in ("os.remove", "os.rename", "os.mkdir", "os.rmdir") and args and args[0] is not None:
-        if not _inside(args[0], (_HOME + os.sep,)):
+    if event in ("os.remove", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.chflags",
+                 "os.utime", "os.setxattr", "os.removexattr") and args and args[0] is not None:
+        if not _inside(args[0], _OWN):
             raise PermissionError(f"the sandbox may not use {args[0]!r}")
+    if event in ("os.rename", "os.link", "os.symlink") and not all(_inside(a, _OWN) for a in args[:2]):
+        raise PermissionError(f"the sandbox may not {event[3:]} {args[0]!r} to {args[1]!r}")
 sys.addaudithook(_audit)
 del _audit
 with open("main.py") as _f:
@@ -105,13 +135,15 @@ def _limit_child(limits: SandboxLimits) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if os.getuid() == 0 and _others_can_run(sys.executable):
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-    # No network: a fresh network namespace (needs a user namespace without root). Refused by the
-    # kernel, the audit hook still refuses every socket.
-    ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER | CLONE_NEWNET)
+    # No new process or thread once the program runs (enforced for every uid but root's, and root
+    # drops to `nobody` in BOOT before the program starts).
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    # No network: a fresh network namespace. Root makes one directly and keeps its uid (BOOT drops it
+    # to `nobody` after the interpreter has started, whose files `nobody` may not be able to read); any
+    # other user needs a user namespace for it. Refused by the kernel, the audit hook still refuses
+    # every socket.
+    flags = CLONE_NEWNET if os.getuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
+    ctypes.CDLL(None, use_errno=True).unshare(flags)
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
@@ -139,8 +171,9 @@ async def run_python(code: str, limits: SandboxLimits) -> SandboxResult:
     try:
         with open(os.path.join(workdir, "main.py"), "w") as f:
             f.write(code)
-        if os.getuid() == 0 and _others_can_run(sys.executable):
+        if os.getuid() == 0:  # the program runs as `nobody` (BOOT): its folder is its own
             os.chown(workdir, NOBODY, NOBODY)
+            os.chown(os.path.join(workdir, "main.py"), NOBODY, NOBODY)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "PYTHONDONTWRITEBYTECODE": "1"}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", "-c", BOOT, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -168,22 +201,6 @@ async def run_python(code: str, limits: SandboxLimits) -> SandboxResult:
                              output_cut=cut, seconds=time.monotonic() - t0)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _others_can_run(path: str) -> bool:
-    """Whether a user other than the owner can run the interpreter (every folder above it searchable):
-    only then can a root process drop to `nobody` and still start it."""
-    path = os.path.realpath(path)
-    if not os.stat(path).st_mode & 0o001:
-        return False
-    folder = os.path.dirname(path)
-    while True:
-        if not os.stat(folder).st_mode & 0o001:
-            return False
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            return True
-        folder = parent
 
 
 def _kill_group(pid: int) -> None:
