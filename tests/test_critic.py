@@ -147,7 +147,7 @@ def test_resume_restores_critic_and_lora_adapters(tmp_path, tiny_model):
         _learn(tmp_path, path_a, "a.log")
         _learn(tmp_path, path_b, "b1.log", "run.max_steps=2")
         assert int(client_b.xpending(keys_b.trajectories, LEARNER_GROUP)["pending"]) == 0
-        text = _learn(tmp_path, path_b, "b2.log")
+        text = _learn(tmp_path, path_b, "b2.log", "run.resume=true")
         assert "resumed from" in text and "step-000002" in text
     finally:
         redis_a.stop()

@@ -173,7 +173,7 @@ def test_learner_leaves_generators_without_the_token_or_of_another_schema_out_of
     """The learner's fleet (real Redis heartbeat hashes, the learner's own method): a generator of
     schema version 1 (no such field; an older install) or without the run token is never made a
     member, so an epoch is not re-formed around it again and again; each is named once in an event."""
-    from learners.trainer import Learner
+    from learners.fleet import Fleet
 
     token_file = security.write_secret(tmp_path / "token", "s3cret")
     cfg = make_cfg("run.name=fleet", f"deploy.run_token_file={token_file}", redis=redis_server)
@@ -188,8 +188,7 @@ def test_learner_leaves_generators_without_the_token_or_of_another_schema_out_of
     }
     for gid, fields in heartbeats.items():
         client.hset(keys.gen(gid), mapping={"id": gid, "state": "generating", "workers": 2, **fields})
-    learner = object.__new__(Learner)  # no model: only the fleet bookkeeping is exercised
-    learner.cfg, learner.client, learner.keys = cfg, client, keys
+    learner = Fleet(cfg, client, keys)  # the learner's view of the fleet
     for _ in range(3):
         assert learner.live_members() == ["good.0", "good.1"]
     events = [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.events)]

@@ -106,16 +106,14 @@ def test_weight_check_counts_a_matching_and_a_mismatching_report_once():
 
 
 def test_the_learner_logs_a_weight_mismatch_event(redis_server):
-    from learners.trainer import Learner
+    from learners.fleet import Fleet
 
     client, keys = connect(redis_server.url), Keys("hb-learner")
-    learner = object.__new__(Learner)  # no model: only the fleet bookkeeping is exercised
-    learner.cfg, learner.client, learner.keys = load_config(None, ["run.name=hb-learner"]), client, keys
-    learner.version, learner.weight_check = 3, fleet.WeightCheck()
+    learner = Fleet(load_config(None, ["run.name=hb-learner"]), client, keys)  # the learner's view of the fleet
     learner.weight_check.sent(3, [1, 2])
     client.hset(keys.gen("ok"), mapping=Heartbeat(id="ok", version=3, checksums=[1, 2]).to_hash())
     client.hset(keys.gen("bad"), mapping=Heartbeat(id="bad", version=3, checksums=[7]).to_hash())
     for _ in range(2):
-        learner.verify_fleet_weights(learner.read_fleet())
+        learner.verify_fleet_weights(learner.read_fleet(), 3)
     assert _events(client, keys) == [("weights_mismatch", "bad")]
     assert (learner.weight_check.num_verified, learner.weight_check.num_mismatch) == (1, 1)

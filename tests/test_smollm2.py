@@ -172,11 +172,12 @@ def test_fsdp2_checkpoint_and_export_of_the_tied_llama(make_cfg, smollm2, tmp_pa
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM
 
     from learners import checkpoint
-    from learners.trainer import Learner, tied_aliases
+    from learners.setup import Parts
+    from learners.trainer import tied_aliases
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -187,7 +188,7 @@ def test_fsdp2_checkpoint_and_export_of_the_tied_llama(make_cfg, smollm2, tmp_pa
         cfg = make_cfg(f"model.path={smollm2}", "learner.shard_layers=true")  # one rank's default is the root alone
         learner = SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"))
         model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
-        model = Learner._shard(learner, model, fully_shard, init_device_mesh("cpu", (1,)))
+        model = Parts._shard(learner, model, init_device_mesh("cpu", (1,)))
         assert all(isinstance(layer, FSDPModule) for layer in model.model.layers) and len(model.model.layers) == 30
         assert model.lm_head.weight is model.model.embed_tokens.weight and tied_aliases(model) == {"lm_head.weight"}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
