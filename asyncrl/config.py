@@ -238,6 +238,21 @@ class GeneratorConfig(Section):
     max_model_len: Annotated[int, AtLeastOne] = 128
     dtype: str = "auto"
     enforce_eager: bool = True
+    torch_compile: bool = True
+    """with enforce_eager=false, whether vLLM compiles the model (torch.compile, piecewise CUDA graphs);
+    false: no compile, full CUDA graphs for decode steps only (vLLM's compilation mode NONE): the engine
+    starts without the compile, at some cost in generation speed"""
+    vllm_kwargs: dict[str, Any] = {}
+    """more vLLM engine arguments (`AsyncEngineArgs`), applied last, e.g.
+    `{kernel_config: {enable_flashinfer_autotune: false}}`; not the ones the generator relies on
+    (model, logprobs_mode, worker_extension_cls)"""
+
+    @field_validator("vllm_kwargs")
+    @classmethod
+    def _engine_args_of_its_own(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if taken := sorted(set(value) & {"model", "logprobs_mode", "worker_extension_cls"}):
+            raise ValueError(f"{', '.join(taken)}: set by the generator itself")
+        return value
     enable_prefix_caching: bool = True
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.5
     tensor_parallel_size: Annotated[int, AtLeastOne] = 1
@@ -675,7 +690,22 @@ class Config(Section):
     def validate(self) -> Config:
         """Cross-field checks; each error names the dotted path and the fix. Types, choices and the
         bounds the fields declare are pydantic's, at load and on every assignment, so none is repeated here."""
-        checks = [
+        for ok, message in self._sampling_checks() + self._settings_checks():
+            if not ok:
+                raise ConfigError(message)
+        from asyncrl.tasks.registry import config_errors as task_errors  # data.task and its own settings
+
+        for message in task_errors(self):
+            raise ConfigError(message)
+        for message in self.algorithm.config_errors():
+            raise ConfigError(message)
+        for message in self._mode_errors() + self._cpus_errors():
+            raise ConfigError(message)
+        return self
+
+    def _sampling_checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) of the samples each group needs: their number, their rewards, their distribution."""
+        return [
             # GAE's baseline is the critic and ReMax's the prompt's greedy completion, not the group,
             # so only the group advantages need n > 1.
             (self.generator.n > 1 or self._advantage_meta("critic") or self._advantage_meta("greedy_baseline"),
@@ -699,6 +729,11 @@ class Config(Section):
              "distribution: behaviour log-probs are then of the truncated, renormalised distribution while the "
              "learner computes full-softmax log-probs, so every importance ratio pi/mu is biased. Use top_p=1.0 "
              "and top_k=-1, or set algorithm.allow_truncated_sampling=true to accept the bias"),
+        ]
+
+    def _settings_checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) of settings that must agree with one another within or across sections."""
+        return [
             (not (self.reward.function and self.reward.model), "set reward.function or reward.model, not both"),
             (not (self.run.resume and self.run.reset), "run.resume=true continues the run and run.reset=true "
              "clears it: set one of them"),
@@ -723,18 +758,6 @@ class Config(Section):
             (not self.learner.lora.enabled or bool(self.learner.lora.target_modules),
              "learner.lora.target_modules must name at least one module (e.g. q_proj,v_proj)"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        from asyncrl.tasks.registry import config_errors as task_errors  # data.task and its own settings
-
-        for message in task_errors(self):
-            raise ConfigError(message)
-        for message in self.algorithm.config_errors():
-            raise ConfigError(message)
-        for message in self._mode_errors() + self._cpus_errors():
-            raise ConfigError(message)
-        return self
 
     def _mode_errors(self) -> list[str]:
         """Cross-field checks of run.mode (asyncrl/modes.py)."""

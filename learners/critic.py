@@ -95,6 +95,35 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
     return float(1.0 - (ret - v).var() / var) if var > 0 else 0.0
 
 
+def _clipped_value_error(critic: nn.Module, mb: MicroBatch, old_values_N: torch.Tensor, returns_N: torch.Tensor,
+                         keep_N: torch.Tensor | None, clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(err_bT, mask_bT, wins_bT) of one micro-batch: the PPO clipped value error 0.5 * max((V - R)^2,
+    (V_clipped - R)^2), the tokens it counts on, and where the clipped term was the larger one."""
+    v = mb.grid(micro_values(critic, mb))
+    old, ret, mask = mb.grid(old_values_N[mb.flat_N]), mb.grid(returns_N[mb.flat_N]), mb.mask_bT
+    if keep_N is not None:
+        mask = mask * mb.grid(keep_N.index_select(0, mb.flat_N)).to(mask.dtype)
+    clipped = old + (v - old).clamp(-clip, clip)
+    err = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+    with torch.no_grad():
+        wins = ((clipped.detach() - ret) ** 2 > (v.detach() - ret) ** 2) & mask.bool()
+    return err, mask, wins
+
+
+def _critic_stats(step: StepBatch, old_values_N: torch.Tensor, returns_N: torch.Tensor, parts: list,
+                  wins_sum: torch.Tensor, num_counted: int, grad_norm) -> dict[str, float]:
+    mask_ST = step.policy.mask()
+    old_ST, ret_ST = step.policy.grid(old_values_N), step.policy.grid(returns_N)
+    return {
+        "value_loss": float(torch.stack(parts).mean()),
+        "value_clip_frac": float(wins_sum) / max(num_counted, 1),
+        "value_explained_var": explained_variance(old_ST, ret_ST, mask_ST),
+        "value_mean": float((old_ST * mask_ST).sum() / mask_ST.sum().clamp(min=1)),
+        "returns_mean": float((ret_ST * mask_ST).sum() / mask_ST.sum().clamp(min=1)),
+        "value_grad_norm": float(grad_norm),
+    }
+
+
 def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan,
                   old_values_N: torch.Tensor, returns_N: torch.Tensor, cfg: Config, rank: int = 0, world: int = 1,
                   pad_id: int = 0, scheduler=None, keep_N: torch.Tensor | None = None) -> dict[str, float]:
@@ -112,39 +141,31 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
     (the whole step's), and the first update's gradient norm.
     """
     from asyncrl.algorithms.aggregation import aggregate_normalised
+    from learners.step import kept_counts
 
     alg, lc = cfg.algorithm, cfg.learner
     clip = alg.value_clip or float("inf")  # 0: off
     norm_tokens = alg.loss_norm_tokens or cfg.generator.max_tokens
-    from learners.step import kept_counts
-
     kept_S = None
     if keep_N is not None:
         kept_S = torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N, keep_N.float())
     critic.train()
     parts, grad_norm = [], None
     wins_sum = torch.zeros((), device=step.device)
-    n_tok = 0
+    num_counted = 0
     for epoch, minibatches in enumerate(plan.epochs):
         for mbatch in minibatches:
             part = torch.zeros((), device=step.device)
             num_tokens, num_seqs = kept_counts(step, mbatch, kept_S)
             for seqs in mbatch.micro[rank]:
                 mb = micro_batch(step, seqs, lc.packing, pad_id)
-                v = mb.grid(micro_values(critic, mb))
-                old, ret, mask = mb.grid(old_values_N[mb.flat_N]), mb.grid(returns_N[mb.flat_N]), mb.mask_bT
-                if keep_N is not None:
-                    mask = mask * mb.grid(keep_N.index_select(0, mb.flat_N)).to(mask.dtype)
-                clipped = old + (v - old).clamp(-clip, clip)
-                err = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+                err, mask, wins = _clipped_value_error(critic, mb, old_values_N, returns_N, keep_N, clip)
                 loss = aggregate_normalised(err, mask, alg.critic_aggregation, num_tokens, num_seqs, norm_tokens)
                 (loss * world).backward()
                 part += loss.detach()
                 if epoch == 0 and mb.num_tokens:
-                    with torch.no_grad():
-                        wins = ((clipped.detach() - ret) ** 2 > (v.detach() - ret) ** 2) & mask.bool()
-                        wins_sum = wins_sum + wins.sum()
-                        n_tok += int(mask.sum())
+                    wins_sum = wins_sum + wins.sum()
+                    num_counted += int(mask.sum())
             norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), lc.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -154,13 +175,4 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
                 grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             if epoch == 0:
                 parts.append(part)
-    mask_ST = step.policy.mask()
-    old_ST, ret_ST = step.policy.grid(old_values_N), step.policy.grid(returns_N)
-    return {
-        "value_loss": float(torch.stack(parts).mean()),
-        "value_clip_frac": float(wins_sum) / max(n_tok, 1),
-        "value_explained_var": explained_variance(old_ST, ret_ST, mask_ST),
-        "value_mean": float((old_ST * mask_ST).sum() / mask_ST.sum().clamp(min=1)),
-        "returns_mean": float((ret_ST * mask_ST).sum() / mask_ST.sum().clamp(min=1)),
-        "value_grad_norm": float(grad_norm),
-    }
+    return _critic_stats(step, old_values_N, returns_N, parts, wins_sum, num_counted, grad_norm)

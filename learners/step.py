@@ -271,6 +271,115 @@ def kept_counts(step: StepBatch, mbatch, kept_S: torch.Tensor | None) -> tuple[i
     return int(round(sum(kept))), mbatch.num_seqs - dropped
 
 
+class _SampledStats:
+    """First-epoch sums over valid tokens of the behaviour IS weight pi_theta / mu and of the exact and
+    sampled entropies, kept on the device (the defaults of the loss's own statistics)."""
+
+    def __init__(self, device: torch.device):
+        self.w_sum = self.w_sq = self.capped = self.neg_logp = self.ent_sum = torch.zeros((), device=device)
+        self.w_max = torch.full((), float("-inf"), device=device)
+
+    def add(self, logp_bT: torch.Tensor, behav_bT: torch.Tensor, ent_bT: torch.Tensor, valid_bT: torch.Tensor,
+            is_cap: float) -> None:
+        m = valid_bT.bool()
+        w = torch.exp(logp_bT.detach() - behav_bT)[m]
+        self.w_sum, self.w_sq = self.w_sum + w.sum(), self.w_sq + (w**2).sum()
+        self.w_max = torch.maximum(self.w_max, w.max())
+        self.capped = self.capped + (w > is_cap).sum()
+        # Monte-Carlo entropy estimate from the sampled tokens: -E[log pi(a)].
+        self.neg_logp = self.neg_logp - logp_bT.detach()[m].sum()
+        self.ent_sum = self.ent_sum + ent_bT.detach()[m].sum()
+
+    def fill(self, st: dict, n: int) -> None:
+        """Means over `n` tokens into `st`, where the loss did not report its own."""
+        st.setdefault("entropy", self.ent_sum / n)
+        st.setdefault("entropy_sampled", self.neg_logp / n)
+        st.setdefault("is_weight_mean", self.w_sum / n)
+        st.setdefault("is_weight_max", self.w_max)
+        st["ess"] = self.w_sum**2 / (n * self.w_sq).clamp(min=1e-12)
+        st["is_capped_frac"] = self.capped / n
+
+
+def kept_per_sequence(step: StepBatch, keep_N: torch.Tensor | None) -> torch.Tensor | None:
+    """The number of each sequence's tokens rejection sampling kept (S floats), None without it."""
+    if keep_N is None:
+        return None
+    return torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N, keep_N.float() * step.mask_N)
+
+
+@dataclass
+class _MicroLoss:
+    """One micro-batch's share of its mini-batch loss, and what the first epoch's statistics read."""
+
+    loss: torch.Tensor
+    stats: dict
+    logp_bT: torch.Tensor
+    ent_bT: torch.Tensor | None
+    behav_bT: torch.Tensor
+    valid_bT: torch.Tensor
+
+
+def _micro_loss(model: nn.Module, mb, step: StepBatch, targets: Targets, cfg: Config, agg, with_entropy: bool,
+                kl_coef: float) -> _MicroLoss:
+    """algorithm.loss on one micro-batch, divided by the batch-mean IS weight with is_normalize, on the
+    kept tokens, + kl_coef * KL (kl_in=loss) - entropy_coef * exact entropy, each aggregated by `agg`."""
+    alg = cfg.algorithm
+    out = micro_logprobs(model, mb, cfg.generator.temperature, int(cfg.learner.keep_logits_gb * 2**30),
+                         with_entropy=with_entropy)
+    logp, ent = (mb.grid(out[0]), mb.grid(out[1])) if with_entropy else (mb.grid(out), None)
+
+    def pick(flat_N):
+        return mb.grid(flat_N.index_select(0, mb.flat_N))
+
+    valid, behav, adv = mb.mask_bT, pick(step.behav_N), pick(targets.adv_N)
+    mask = valid if targets.keep_N is None else valid * pick(targets.keep_N)
+    # With a single update per step the proximal policy is the current one, exactly.
+    prox = logp.detach() if targets.prox_N is None else pick(targets.prox_N)
+    loss_bT, st = losses.policy_loss(losses.LossInputs(logp, prox, behav, adv, mask, alg, valid))
+    if targets.is_scale is not None:
+        loss_bT = loss_bT / targets.is_scale
+    loss = agg(loss_bT, mask)
+    if targets.ref_N is not None:
+        kl_bT = kl_fns.kl_estimate(logp, pick(targets.ref_N), alg.kl_estimator)
+        st["kl"] = (kl_bT.detach() * mask).sum() / mask.sum().clamp(min=1)
+        if alg.kl_in == "loss":
+            loss = loss + kl_coef * agg(kl_bT, mask)
+    if alg.entropy_coef > 0:
+        loss = loss - alg.entropy_coef * agg(ent, mask)
+    return _MicroLoss(loss, st, logp, ent, behav, valid)
+
+
+def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                    scheduler=None) -> torch.Tensor:
+    """Clip, step, clear the gradients, step the schedule; returns the norm before clipping."""
+    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return grad_norm
+
+
+def _step_stats(stats: _Stats, sampled: _SampledStats, targets: Targets, loss_parts: list, grad_norm,
+                device: torch.device) -> dict[str, float]:
+    """The step's statistics as floats: token-weighted means and maxima of the first epoch, the
+    whole-step values, the mean mini-batch loss and the first gradient norm."""
+    n = max(stats.tokens, 1)
+    st = {k: v / n for k, v in stats.sums.items()} | stats.maxes
+    if stats.tokens:
+        sampled.fill(st, n)
+    st.setdefault("ratio_mean", 1.0)
+    st.setdefault("ratio_max", 1.0)
+    st["clip_frac"] = st.get("clip_frac", st.get("clip_frac_low", 0.0) + st.get("clip_frac_high", 0.0))
+    st.update(targets.stats)  # whole-step values, the same on every rank (`kl` at pi_prox included)
+    st.update(loss=torch.stack(loss_parts).mean(), grad_norm=grad_norm.full_tensor()
+              if hasattr(grad_norm, "full_tensor") else grad_norm)
+    # One device-to-host copy for every statistic (they are 0-dim tensors or floats until here).
+    names = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([st[k].detach().float().reshape(()).to(device) for k in names]).tolist() if names else []
+    return {**{k: float(v) for k, v in st.items()}, **dict(zip(names, values, strict=True))}
+
+
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan, cfg: Config,
                   targets: Targets, rank: int = 0, world: int = 1, pad_id: int = 0, kl_coef: float = 0.0,
                   scheduler=None) -> dict[str, float]:
@@ -287,18 +396,14 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     ranks' parts add up to it), the first update's gradient norm and the step's correction statistics.
     """
     alg, lc = cfg.algorithm, cfg.learner
-    temperature = cfg.generator.temperature
-    keep = int(lc.keep_logits_gb * 2**30)
     norm_tokens = alg.loss_norm_tokens or cfg.generator.max_tokens
-    kept_S = None
-    if targets.keep_N is not None:
-        kept_S = torch.zeros(step.num_seqs, device=step.device).index_add_(0, step.seq_of_N,
-                                                                           targets.keep_N.float() * step.mask_N)
-    stats, loss_parts, grad_norms = _Stats(), [], []
-    w_sum = w_sq = capped = neg_logp = ent_sum = torch.zeros((), device=step.device)
-    w_max = torch.full((), float("-inf"), device=step.device)
+    kept_S = kept_per_sequence(step, targets.keep_N)
+    stats, sampled, loss_parts, grad_norms = _Stats(), _SampledStats(step.device), [], []
     model.train()
     for epoch, minibatches in enumerate(plan.epochs):
+        # The exact entropy comes from the same chunks as the log-probs: for the metrics in the first
+        # epoch, and in every epoch when the loss has an entropy bonus.
+        with_entropy = epoch == 0 or alg.entropy_coef > 0
         for mbatch in minibatches:
             part = torch.zeros((), device=step.device)
             num_tokens, num_seqs = kept_counts(step, mbatch, kept_S)
@@ -308,66 +413,13 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
 
             for seqs in mbatch.micro[rank]:
                 mb = micro_batch(step, seqs, lc.packing, pad_id)
-                # The exact entropy comes from the same chunks as the log-probs: for the metrics in
-                # the first epoch, and in every epoch when the loss has an entropy bonus.
-                with_entropy = epoch == 0 or alg.entropy_coef > 0
-                out = micro_logprobs(model, mb, temperature, keep, with_entropy=with_entropy)
-                logp, ent = (mb.grid(out[0]), mb.grid(out[1])) if with_entropy else (mb.grid(out), None)
-
-                def pick(flat_N, mb=mb):
-                    return mb.grid(flat_N.index_select(0, mb.flat_N))
-
-                valid, behav, adv = mb.mask_bT, pick(step.behav_N), pick(targets.adv_N)
-                mask = valid if targets.keep_N is None else valid * pick(targets.keep_N)
-                # With a single update per step the proximal policy is the current one, exactly.
-                prox = logp.detach() if targets.prox_N is None else pick(targets.prox_N)
-                loss_bT, st = losses.policy_loss(losses.LossInputs(logp, prox, behav, adv, mask, alg, valid))
-                if targets.is_scale is not None:
-                    loss_bT = loss_bT / targets.is_scale
-                loss = agg(loss_bT, mask)
-                if targets.ref_N is not None:
-                    kl_bT = kl_fns.kl_estimate(logp, pick(targets.ref_N), alg.kl_estimator)
-                    st["kl"] = (kl_bT.detach() * mask).sum() / mask.sum().clamp(min=1)
-                    if alg.kl_in == "loss":
-                        loss = loss + kl_coef * agg(kl_bT, mask)
-                if alg.entropy_coef > 0:
-                    loss = loss - alg.entropy_coef * agg(ent, mask)
-                (loss * world).backward()
-                part += loss.detach()
+                micro = _micro_loss(model, mb, step, targets, cfg, agg, with_entropy, kl_coef)
+                (micro.loss * world).backward()
+                part += micro.loss.detach()
                 if epoch == 0 and mb.num_tokens:
-                    stats.add(st, mb.num_tokens)
-                    m = valid.bool()
-                    w = torch.exp(logp.detach() - behav)[m]
-                    w_sum, w_sq = w_sum + w.sum(), w_sq + (w**2).sum()
-                    w_max = torch.maximum(w_max, w.max())
-                    capped = capped + (w > alg.is_cap).sum()
-                    # Monte-Carlo entropy estimate from the sampled tokens: -E[log pi(a)].
-                    neg_logp = neg_logp - logp.detach()[m].sum()
-                    ent_sum = ent_sum + ent.detach()[m].sum()
-            grad_norms.append(clip_grad_norm(model.parameters(), lc.max_grad_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
+                    stats.add(micro.stats, mb.num_tokens)
+                    sampled.add(micro.logp_bT, micro.behav_bT, micro.ent_bT, micro.valid_bT, alg.is_cap)
+            grad_norms.append(_optimizer_step(model, optimizer, lc.max_grad_norm, scheduler))
             if epoch == 0:
                 loss_parts.append(part)
-    n = max(stats.tokens, 1)
-    st = {k: v / n for k, v in stats.sums.items()} | stats.maxes
-    if stats.tokens:
-        st.setdefault("entropy", ent_sum / n)
-        st.setdefault("entropy_sampled", neg_logp / n)
-        st.setdefault("is_weight_mean", w_sum / n)
-        st.setdefault("is_weight_max", w_max)
-        st["ess"] = w_sum**2 / (n * w_sq).clamp(min=1e-12)
-        st["is_capped_frac"] = capped / n
-    st.setdefault("ratio_mean", 1.0)
-    st.setdefault("ratio_max", 1.0)
-    st["clip_frac"] = st.get("clip_frac", st.get("clip_frac_low", 0.0) + st.get("clip_frac_high", 0.0))
-    st.update(targets.stats)  # whole-step values, the same on every rank (`kl` at pi_prox included)
-    grad_norm = grad_norms[0]
-    st.update(loss=torch.stack(loss_parts).mean(), grad_norm=grad_norm.full_tensor()
-              if hasattr(grad_norm, "full_tensor") else grad_norm)
-    # One device-to-host copy for every statistic (they are 0-dim tensors or floats until here).
-    names = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
-    values = torch.stack([st[k].detach().float().reshape(()).to(step.device) for k in names]).tolist() if names else []
-    return {**{k: float(v) for k, v in st.items()}, **dict(zip(names, values, strict=True))}
+    return _step_stats(stats, sampled, targets, loss_parts, grad_norms[0], step.device)

@@ -210,13 +210,8 @@ def _version() -> str:
     return f"asyncrl {__version__}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous actor-learner RL post-training "
-                                     "for LLMs: vLLM generators -> ZeroMQ -> Redis buffer -> FSDP2 learner.",
-                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_role_commands(sub) -> None:
+    """run (every role on this machine) and each role alone: buffer, generator, learner."""
     p = sub.add_parser("run", help="start Redis, buffer, generators and learner on this machine; supervise")
     _add_config_args(p, config_optional=True)
     p.set_defaults(fn=cmd_run)
@@ -234,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(fn=cmd_learner)
 
+
+def _add_config_commands(sub) -> None:
+    """config schema|check, and configs (the shipped ones)."""
     p = sub.add_parser("config", help="the config tree: `schema` (a JSON Schema of every field), `check CONFIG`")
     cfg_sub = p.add_subparsers(dest="action", required=True)
     s = cfg_sub.add_parser("schema", help="print (or --out FILE) the JSON Schema: types, choices, ranges, defaults")
@@ -247,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default="", help="print this config's YAML instead of the list")
     p.set_defaults(fn=cmd_configs)
 
+
+def _add_data_commands(sub) -> None:
+    """data (prepare a dataset) and tiny-model (write the test model)."""
     p = sub.add_parser("data", help="prepare a dataset (GSM8K -> train/test parquet)")
     p.add_argument("dataset", choices=["gsm8k"], help="the dataset to prepare")
     p.add_argument("--src", required=True, help="folder with train.jsonl/test.jsonl, or a Hugging Face name "
@@ -259,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     p.add_argument("--warm-start-steps", type=int, default=0, help="supervised warm start on the copy task")
     p.set_defaults(fn=cmd_tiny_model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous actor-learner RL post-training "
+                                     "for LLMs: vLLM generators -> ZeroMQ -> Redis buffer -> FSDP2 learner.",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_role_commands(sub)
+    _add_config_commands(sub)
+    _add_data_commands(sub)
     from asyncrl.models import add_model_commands
 
     add_model_commands(sub)  # model smollm2 | from-gguf

@@ -132,43 +132,60 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._pin_roles()  # before the local redis-server, which follows buffer.cpus
         if not cfg.buffer.redis_url:
-            from asyncrl.protocol.security import redis_password
-
-            self.redis = LocalRedis(self.run_dir / "redis", appendfsync=cfg.buffer.appendfsync,
-                                    password=redis_password(), cpus=affinity.cpus_of(cfg, "buffer")).start()
-            cfg.buffer.redis_url = self.redis.address_url  # the password, if any, stays in its file
-            log.info("local redis-server at %s (AOF, appendfsync=%s)", self.redis.url, cfg.buffer.appendfsync)
+            self._start_local_redis()
         from asyncrl.protocol.keys import Keys, connect
 
         client = connect(cfg.buffer.redis_url)
         keys = Keys(cfg.run.name)
         self._stop_key = (cfg.buffer.redis_url, keys.stop)  # set at teardown: the run is over
         if not cfg.run.resume:
-            # A fresh run: state left in this Redis by an earlier run of the same name would make the
-            # learner start at that run's version with fresh weights.
-            stale = list(client.scan_iter(f"asyncrl:{cfg.run.name}:*", count=1000))
-            if stale:
-                log.warning("fresh run: clearing %d keys of an earlier run named %r (run.resume=true keeps them)",
-                            len(stale), cfg.run.name)
-                client.delete(*stale)
-            stamp = int(time.time())
-            metrics = self.run_dir / "metrics.jsonl"
-            if metrics.exists():
-                metrics.rename(self.run_dir / f"metrics.{stamp}.jsonl")
-            if cfg.checkpoint_dir.exists() and not cfg.checkpoint.dir:
-                # A fresh run must not resume an earlier run's checkpoints; keep them aside.
-                cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
-        from asyncrl.protocol.identity import claim
-
-        claim(client, keys, cfg, "launcher")  # a fresh run creates its identity; run.resume continues a finished one
-        client.delete(keys.stop)
-        from asyncrl.observe import timeline
-
-        client.delete(keys.timeline)  # a resumed run's start-up is this launch's, not the first one's
-        timeline.mark(client, keys, "launch", timeline.process_start())
+            self._set_aside_earlier_run(client)
+        self._claim_run(client, keys)
         cfg.weights.backend = local_weights_backend(cfg)
         cfg_path = self.run_dir / "config.yaml"
         cfg_path.write_text(dump_yaml(cfg))
+        buffer_argv = self._spawn_roles(cfg_path)
+        return self._supervise(client, keys, cfg_path, buffer_argv)
+
+    def _start_local_redis(self) -> None:
+        from asyncrl.protocol.security import redis_password
+
+        cfg = self.cfg
+        self.redis = LocalRedis(self.run_dir / "redis", appendfsync=cfg.buffer.appendfsync,
+                                password=redis_password(), cpus=affinity.cpus_of(cfg, "buffer")).start()
+        cfg.buffer.redis_url = self.redis.address_url  # the password, if any, stays in its file
+        log.info("local redis-server at %s (AOF, appendfsync=%s)", self.redis.url, cfg.buffer.appendfsync)
+
+    def _set_aside_earlier_run(self, client) -> None:
+        """A fresh run: state left in this Redis by an earlier run of the same name would make the
+        learner start at that run's version with fresh weights; its metrics and checkpoints are kept aside."""
+        cfg = self.cfg
+        stale = list(client.scan_iter(f"asyncrl:{cfg.run.name}:*", count=1000))
+        if stale:
+            log.warning("fresh run: clearing %d keys of an earlier run named %r (run.resume=true keeps them)",
+                        len(stale), cfg.run.name)
+            client.delete(*stale)
+        stamp = int(time.time())
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            metrics.rename(self.run_dir / f"metrics.{stamp}.jsonl")
+        if cfg.checkpoint_dir.exists() and not cfg.checkpoint.dir:
+            # A fresh run must not resume an earlier run's checkpoints; keep them aside.
+            cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
+
+    def _claim_run(self, client, keys) -> None:
+        from asyncrl.observe import timeline
+        from asyncrl.protocol.identity import claim
+
+        claim(client, keys, self.cfg, "launcher")  # a fresh run creates its identity; run.resume continues a finished one
+        client.delete(keys.stop)
+        client.delete(keys.timeline)  # a resumed run's start-up is this launch's, not the first one's
+        timeline.mark(client, keys, "launch", timeline.process_start())
+
+    def _spawn_roles(self, cfg_path: Path) -> list[str]:
+        """Starts the generators, the learner and (once the model is there) the buffer; returns the
+        buffer's command line, for a buffer that starts later."""
+        cfg = self.cfg
         py = [sys.executable, "-m", "asyncrl"]
         # No role waits for another here (see the module docstring): each role's entry point writes the
         # tiny model if it is missing (ensure_model, under a lock) or waits for the one writing it.
@@ -181,11 +198,16 @@ class Launcher:
         print(f"asyncrl run: {cfg.run.name} in {self.run_dir} | {cfg.generator.num_generators} generator(s), "
               f"{cfg.learner.nproc} learner rank(s), {cfg.run.max_steps} steps | logs in {self.run_dir}/logs",
               flush=True)
+        return buffer_argv
+
+    def _supervise(self, client, keys, cfg_path: Path, buffer_argv: list[str]) -> int:
+        """Polls the children until the learner finishes (0), a role fails (1), the run stalls under
+        run.on_stall=fail (3) or a signal comes (130)."""
+        from asyncrl.launch.elastic import LocalScaler
         from asyncrl.observe.watchdog import launcher_watchdog
 
+        cfg = self.cfg
         watchdog = launcher_watchdog(cfg, keys)  # None when run.stall_timeout_s is 0
-        from asyncrl.launch.elastic import LocalScaler
-
         scaler = LocalScaler(self, client, keys, cfg_path)  # `asyncrl scale`: start/stop generator children
         while True:
             if self._interrupted:
@@ -196,8 +218,7 @@ class Launcher:
             scaler.poll()
             if "buffer" not in self.children and model_ready(cfg):
                 self._spawn("buffer", buffer_argv, role="buffer")
-            learner = self.children["learner"]
-            code = learner.poll()
+            code = self.children["learner"].poll()
             if code is not None:
                 if code != 0:
                     log.error("learner exited with %d", code)
@@ -205,14 +226,19 @@ class Launcher:
                 self._wait_others_exit()
                 print(f"asyncrl run: done; metrics in {self.run_dir / 'metrics.jsonl'}", flush=True)
                 return 0
-            for name, child in self.children.items():
-                # Exit 0 is an orderly leave (the stop key, or a drained generator); only failures stop the run.
-                if (name != "learner" and name not in scaler.removed and (code := child.poll()) is not None
-                        and code != 0):
-                    log.error("%s exited with %d (see %s/logs/%s.log): stopping the run", name, code,
-                              self.run_dir, name)
-                    return 1
+            if self._other_role_failed(scaler.removed):
+                return 1
             time.sleep(0.2)
+
+    def _other_role_failed(self, removed) -> bool:
+        """Whether a role other than the learner (and not one `asyncrl scale` removed) failed; exit 0 is
+        an orderly leave (the stop key, or a drained generator), only failures stop the run."""
+        for name, child in self.children.items():
+            if name != "learner" and name not in removed and (code := child.poll()) is not None and code != 0:
+                log.error("%s exited with %d (see %s/logs/%s.log): stopping the run", name, code,
+                          self.run_dir, name)
+                return True
+        return False
 
     def _wait_others_exit(self) -> None:
         """After the learner finished it set the stop key; give the others a moment to leave cleanly."""

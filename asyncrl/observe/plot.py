@@ -56,28 +56,8 @@ def plot_eval_curves(curves: dict[str, list[tuple[float, float]]], path: str | P
     return path
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, x: str = "step") -> list[Path]:
-    """The run's PNGs; x is "step" or "time" (wall-clock minutes since the learner started)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    rows = load_rows(run_dir)
-    out = Path(out_dir) if out_dir else run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    xlabel = "minutes" if x == "time" else "step"
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        path = out / name
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-
-    # Reward: the mean and the spread of each batch (quantile bands).
+def _reward_figure(plt, rows: list[dict], x: str, xlabel: str):
+    """The mean and the spread of each batch (quantile bands)."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     steps, mean = _series(rows, "reward_mean", x)
     ax.plot(steps, mean, label="mean", color="C0")
@@ -91,32 +71,39 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, x: str = "s
         ax.plot(s_max, v_max, ":", color="C1", label="max")
     ax.set(xlabel=xlabel, ylabel="reward", title="reward per batch")
     ax.legend(loc="best")
-    save(fig, "reward.png")
+    return fig
 
-    # Reward distribution, all steps: early vs late halves.
-    if any("reward_p50" in r for r in rows):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        half = max(len(rows) // 2, 1)
-        for part, label in ((rows[:half], "first half"), (rows[half:], "second half")):
-            vals = [r[k] for r in part for k in ("reward_p10", "reward_p25", "reward_p50", "reward_p75", "reward_p90")
-                    if k in r]
-            if vals:
-                ax.hist(vals, bins=20, alpha=0.5, label=label)
-        ax.set(xlabel="reward (batch quantiles)", ylabel="count", title="reward distribution")
-        ax.legend(loc="best")
-        save(fig, "reward_distribution.png")
 
-    for key in ("kl", "entropy"):
-        steps, vals = _series(rows, key, x)
+def _reward_distribution_figure(plt, rows: list[dict]):
+    """The batch quantiles of every step, early vs late halves; None when the run logged none."""
+    if not any("reward_p50" in r for r in rows):
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    half = max(len(rows) // 2, 1)
+    for part, label in ((rows[:half], "first half"), (rows[half:], "second half")):
+        vals = [r[k] for r in part for k in ("reward_p10", "reward_p25", "reward_p50", "reward_p75", "reward_p90")
+                if k in r]
         if vals:
-            fig, ax = plt.subplots(figsize=(8, 4.5))
-            ax.plot(steps, vals)
-            ax.set(xlabel=xlabel, ylabel=key, title=key)
-            save(fig, f"{key}.png")
-        else:
-            log.info("no %r in %s/metrics.jsonl: %s.png skipped", key, run_dir, key)
+            ax.hist(vals, bins=20, alpha=0.5, label=label)
+    ax.set(xlabel="reward (batch quantiles)", ylabel="count", title="reward distribution")
+    ax.legend(loc="best")
+    return fig
 
-    # Version lag: histogram over all trained tokens, and mean/max over time.
+
+def _single_series_figure(plt, rows: list[dict], key: str, x: str, xlabel: str, run_dir: Path):
+    """One logged value over the run (kl, entropy); None (logged) when the run did not log it."""
+    steps, vals = _series(rows, key, x)
+    if not vals:
+        log.info("no %r in %s/metrics.jsonl: %s.png skipped", key, run_dir, key)
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, vals)
+    ax.set(xlabel=xlabel, ylabel=key, title=key)
+    return fig
+
+
+def _lag_figure(plt, rows: list[dict], x: str, xlabel: str):
+    """Version lag: histogram over all trained tokens, and mean/max over time."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     hist: dict[int, int] = {}
     for r in rows:
@@ -131,45 +118,82 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, x: str = "s
         a2.plot(steps, vals, style, label=key)
     a2.set(xlabel=xlabel, ylabel="versions", title="version lag over time")
     a2.legend(loc="best")
-    save(fig, "lag.png")
+    return fig
 
-    # Throughput per role.
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for key, label in (("gen_tokens_per_s", "generators (tokens/s)"), ("learner_tokens_per_s", "learner (tokens/s)")):
+
+def _plot_lines(ax, rows: list[dict], labels: tuple[tuple[str, str], ...], x: str, **style) -> None:
+    """One line per (key, label) the run logged."""
+    for key, label in labels:
         steps, vals = _series(rows, key, x)
         if vals:
-            ax.plot(steps, vals, label=label)
+            ax.plot(steps, vals, label=label, **style)
+
+
+def _throughput_figure(plt, rows: list[dict], x: str, xlabel: str):
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _plot_lines(ax, rows, (("gen_tokens_per_s", "generators (tokens/s)"),
+                           ("learner_tokens_per_s", "learner (tokens/s)")), x)
     ax.set(xlabel=xlabel, ylabel="tokens/s", title="throughput per role")
     ax.legend(loc="best")
-    save(fig, "throughput.png")
+    return fig
 
-    # Where the learner's time goes (a step's compute, waiting for data, the push on its critical path,
-    # of which waiting for the previous push) and idle ratios.
+
+def _sync_figure(plt, rows: list[dict], x: str, xlabel: str):
+    """Where the learner's time goes (a step's compute, waiting for data, the push on its critical
+    path, of which waiting for the previous push) and idle ratios."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, label in (("compute_s", "compute"), ("data_wait_s", "waiting for data"), ("sync_s", "push"),
-                       ("push_wait_s", "waiting for the previous push")):
-        steps, vals = _series(rows, key, x)
-        if vals:
-            a1.plot(steps, vals, marker=".", label=label)
+    _plot_lines(a1, rows, (("compute_s", "compute"), ("data_wait_s", "waiting for data"), ("sync_s", "push"),
+                           ("push_wait_s", "waiting for the previous push")), x, marker=".")
     a1.set(xlabel=xlabel, ylabel="seconds", title="learner time per step")
     a1.legend(loc="best")
-    for key, label in (("idle_ratio", "learner idle"), ("gen_idle_ratio_mean", "generators idle")):
-        steps, vals = _series(rows, key, x)
-        if vals:
-            a2.plot(steps, vals, label=label)
+    _plot_lines(a2, rows, (("idle_ratio", "learner idle"), ("gen_idle_ratio_mean", "generators idle")), x)
     a2.set(xlabel=xlabel, ylabel="fraction", title="idle ratios", ylim=(0, 1))
     a2.legend(loc="best")
-    save(fig, "sync.png")
+    return fig
 
-    # Held-out accuracy of the evaluation rounds (eval.every > 0).
+
+def _eval_figure(plt, rows: list[dict], x: str, xlabel: str):
+    """Held-out accuracy of the evaluation rounds (eval.every > 0); None when the run had none."""
     if not any("eval/pass@1" in r for r in rows):
-        return written
+        return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for key in ("eval/pass@1", "eval/mean@k", "eval/pass@k"):
-        steps, vals = _series(rows, key, x)
-        if vals:
-            ax.plot(steps, vals, marker=".", label=key.removeprefix("eval/"))
+    keys = ("eval/pass@1", "eval/mean@k", "eval/pass@k")
+    _plot_lines(ax, rows, tuple((k, k.removeprefix("eval/")) for k in keys), x, marker=".")
     ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="evaluation", ylim=(0, 1))
     ax.legend(loc="best")
-    save(fig, "eval.png")
+    return fig
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, x: str = "step") -> list[Path]:
+    """The run's PNGs; x is "step" or "time" (wall-clock minutes since the learner started)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = load_rows(run_dir)
+    out = Path(out_dir) if out_dir else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    xlabel = "minutes" if x == "time" else "step"
+    figures = [
+        ("reward.png", lambda: _reward_figure(plt, rows, x, xlabel)),
+        ("reward_distribution.png", lambda: _reward_distribution_figure(plt, rows)),
+        ("kl.png", lambda: _single_series_figure(plt, rows, "kl", x, xlabel, run_dir)),
+        ("entropy.png", lambda: _single_series_figure(plt, rows, "entropy", x, xlabel, run_dir)),
+        ("lag.png", lambda: _lag_figure(plt, rows, x, xlabel)),
+        ("throughput.png", lambda: _throughput_figure(plt, rows, x, xlabel)),
+        ("sync.png", lambda: _sync_figure(plt, rows, x, xlabel)),
+        ("eval.png", lambda: _eval_figure(plt, rows, x, xlabel)),
+    ]
+    written = []
+    for name, draw in figures:
+        fig = draw()
+        if fig is None:
+            continue
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
     return written

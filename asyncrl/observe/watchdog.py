@@ -143,9 +143,21 @@ class Watchdog:
         timeout = self.timeout_s
         if timeout <= 0:
             return []
+        batch = self.cfg.learner.batch_groups
+        states = ", ".join(f"{g}={i.get('state', '?')}@v{i.get('version', '?')}"
+                           for g, i in sorted(s["live"].items()))
+        stalls = self._generator_stalls(s["live"], now, timeout)
+        if self.ready_at is not None:
+            since = now - max(s["last_traj"] or 0.0, self.ready_at)
+            if since > timeout and s["depth"] < batch:
+                stalls.append(self._no_trajectory(s, since, states))
+        stalls += self._no_step(s, now, timeout, states)
+        stalls += self._no_sync(s, now, timeout)
+        return stalls
+
+    def _generator_stalls(self, live: dict, now: float, timeout: float) -> list[Stall]:
+        """Generators whose heartbeat stopped or never came."""
         stalls = []
-        live, batch = s["live"], self.cfg.learner.batch_groups
-        states = ", ".join(f"{g}={i.get('state', '?')}@v{i.get('version', '?')}" for g, i in sorted(live.items()))
         for gid, info in sorted(self.seen.items()):
             if gid in self.left:
                 continue
@@ -162,41 +174,49 @@ class Watchdog:
             if now - self.started > max(timeout, 300.0):
                 stalls.append(Stall(f"generator:{gid}", "heartbeat", now - self.started,
                                     "never registered a heartbeat: it failed to start (see its log)"))
-        learner_at = _f(s["learner"].get("updated_at"))
-        if self.ready_at is not None:
-            since = now - max(s["last_traj"] or 0.0, self.ready_at)
-            if since > timeout and s["depth"] < batch:
-                stalls.append(self._no_trajectory(s, since, states))
-        if self.first_traj_at is not None and self.learner_started_at is not None:
-            in_sync = s["last_sync"] is not None and s["last_sync"] > max(learner_at or 0.0, self.sync_done_at)
-            # Inside a broadcast the clock starts at its announcement, which follows the step's
-            # training: a generator frozen before it joined is then named first (its heartbeat is
-            # older), not the learner that waits on it.
-            since = now - (s["last_sync"] if in_sync else
-                           max(learner_at or 0.0, self.first_traj_at, self.learner_started_at))
-            if since > timeout:
-                if in_sync:
-                    # The announcement precedes the broadcast: a newer one than the last step means
-                    # rank 0 is inside that broadcast, waiting for every member to receive it.
-                    why = (f"inside the weight broadcast of version {s['sync_version']} announced "
-                           f"{now - s['last_sync']:.0f}s ago, waiting for its members {s['members']} "
-                           f"(generators: {states or 'none live'}); it gives up after weights.sync_timeout_s")
-                elif s["depth"] >= batch:
-                    why = (f"{s['depth']} groups wait in the buffer (>= learner.batch_groups {batch}, oldest "
-                           f"{s['oldest_age_s']:.0f}s) but no step: the learner is stuck in a step, a sync or dead")
-                else:
-                    why = (f"waiting for data: buffer depth {s['depth']} < learner.batch_groups {batch}; "
-                           f"generators: {states or 'none live'}")
-                stalls.append(Stall("learner", "no_step", since, why))
-        step = int(_f(s["learner"].get("step"), 0))
-        if step > 0 and live and s["last_sync"] is not None:
-            behind = s["version"] - (s["sync_version"] or 0)
-            since = now - s["last_sync"]
-            if behind > self.cfg.weights.sync_every and since > timeout:
-                stalls.append(Stall("learner", "no_sync", since,
-                                    f"the learner is at version {s['version']} but the last weight broadcast was "
-                                    f"version {s['sync_version']}: the fleet is not getting new weights"))
         return stalls
+
+    def _no_step(self, s: dict, now: float, timeout: float, states: str) -> list[Stall]:
+        """The learner made no step for the timeout, once data has come: inside a broadcast, with a
+        full buffer, or waiting for data."""
+        if self.first_traj_at is None or self.learner_started_at is None:
+            return []
+        batch = self.cfg.learner.batch_groups
+        learner_at = _f(s["learner"].get("updated_at"))
+        in_sync = s["last_sync"] is not None and s["last_sync"] > max(learner_at or 0.0, self.sync_done_at)
+        # Inside a broadcast the clock starts at its announcement, which follows the step's
+        # training: a generator frozen before it joined is then named first (its heartbeat is
+        # older), not the learner that waits on it.
+        since = now - (s["last_sync"] if in_sync else
+                       max(learner_at or 0.0, self.first_traj_at, self.learner_started_at))
+        if since <= timeout:
+            return []
+        if in_sync:
+            # The announcement precedes the broadcast: a newer one than the last step means
+            # rank 0 is inside that broadcast, waiting for every member to receive it.
+            why = (f"inside the weight broadcast of version {s['sync_version']} announced "
+                   f"{now - s['last_sync']:.0f}s ago, waiting for its members {s['members']} "
+                   f"(generators: {states or 'none live'}); it gives up after weights.sync_timeout_s")
+        elif s["depth"] >= batch:
+            why = (f"{s['depth']} groups wait in the buffer (>= learner.batch_groups {batch}, oldest "
+                   f"{s['oldest_age_s']:.0f}s) but no step: the learner is stuck in a step, a sync or dead")
+        else:
+            why = (f"waiting for data: buffer depth {s['depth']} < learner.batch_groups {batch}; "
+                   f"generators: {states or 'none live'}")
+        return [Stall("learner", "no_step", since, why)]
+
+    def _no_sync(self, s: dict, now: float, timeout: float) -> list[Stall]:
+        """The learner stepped past weights.sync_every versions without a broadcast to a live fleet."""
+        step = int(_f(s["learner"].get("step"), 0))
+        if not (step > 0 and s["live"] and s["last_sync"] is not None):
+            return []
+        behind = s["version"] - (s["sync_version"] or 0)
+        since = now - s["last_sync"]
+        if behind > self.cfg.weights.sync_every and since > timeout:
+            return [Stall("learner", "no_sync", since,
+                          f"the learner is at version {s['version']} but the last weight broadcast was "
+                          f"version {s['sync_version']}: the fleet is not getting new weights")]
+        return []
 
     def _no_trajectory(self, s: dict, since: float, states: str) -> Stall:
         live = s["live"]
