@@ -1,14 +1,15 @@
 """The first job of a scheduled run (Slurm job 1, the Ray driver's core actor): Redis and the buffer.
 
-`python -m asyncrl.launch.deploy_core CONFIG --backend slurm|ray`: starts redis-server bound to
+`python -m asyncrl.launch.deploy_core core CONFIG --backend NAME`: starts redis-server bound to
 `deploy.bind_host` (with the password of `deploy.redis_password_file`), publishes its address
 (without the password) in `{run_dir}/redis_url` for the other jobs, records the backend in the
-run's Redis (`asyncrl scale` reads it), runs the buffer as a child, and stops Redis once the run
-is over (the learner set the stop key and the buffer left) or on SIGTERM (scancel).
+run's Redis (`asyncrl scale` looks it up in asyncrl/launch/backends.py), runs the buffer as a child,
+and stops Redis once the run is over (the learner set the stop key and the buffer left) or on
+SIGTERM (scancel).
 
-Under Ray the driver decides when the run is over for Redis: after the buffer left, the core keeps
-Redis up until the driver's SIGTERM (sent once the learner and the generators are gone, so no role
-calls a Redis that has already stopped), for at most RAY_LINGER_S.
+With `--wait-for-driver` (the Ray driver's core) the driver decides when the run is over for Redis:
+after the buffer left, the core keeps Redis up until the driver's SIGTERM (sent once the learner and
+the generators are gone, so no role calls a Redis that has already stopped), for at most DRIVER_LINGER_S.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from asyncrl.logs import setup_logging
 log = logging.getLogger("asyncrl.launch.deploy_core")
 
 LEAVE_GRACE_S = 60.0  # after the buffer left: time for generators to drain before Redis goes
-RAY_LINGER_S = 240.0  # backend ray: after that, Redis waits this long at most for the driver's SIGTERM
+DRIVER_LINGER_S = 240.0  # --wait-for-driver: after that, Redis waits this long at most for the driver's SIGTERM
 
 
 def wait_redis_url(run_dir: Path, timeout_s: float = 600.0, exit_code=None) -> str:
@@ -69,18 +70,68 @@ def _wait_generators_left(client, keys, stopping: list) -> None:
     time.sleep(2.0)  # the last leaver's final Redis calls
 
 
-def run_core(config_path: str, backend: str, overrides: list[str] | None = None) -> int:
-    from asyncrl.config import load_config
-    from asyncrl.launch.affinity import check_available, cpus_of
-    from asyncrl.launch.elastic import publish_backend
+def _start_redis(cfg):
+    """redis-server on deploy.bind_host, and (server, the address others use, a client of it)."""
+    from asyncrl.launch.affinity import cpus_of
     from asyncrl.launch.redis_server import LocalRedis
-    from asyncrl.protocol.keys import Keys, connect
-    from asyncrl.protocol.security import (
-        advertised_host,
-        redis_password,
-        redis_url_file,
-        set_redis_password_file,
-    )
+    from asyncrl.protocol.keys import connect
+    from asyncrl.protocol.security import advertised_host, redis_password
+
+    host = cfg.deploy.bind_host
+    redis = LocalRedis(cfg.run_dir / "redis", appendfsync=cfg.buffer.appendfsync, password=redis_password(),
+                       host=host, cpus=cpus_of(cfg, "buffer")).start()  # the buffer pins itself
+    url = f"redis://{advertised_host(host, cfg.deploy.advertise_host)}:{redis.port}/0"
+    client = connect(f"redis://127.0.0.1:{redis.port}/0" if host in ("0.0.0.0", "::") else url)
+    return redis, url, client
+
+
+def _publish_url(url_file: Path, url: str) -> None:
+    tmp = url_file.with_suffix(".tmp")
+    tmp.write_text(url + "\n")
+    tmp.replace(url_file)  # atomic: readers never see half an address
+
+
+def _start_buffer(config_path: str, overrides: list[str], url: str, run_dir: Path) -> subprocess.Popen:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "asyncrl", "buffer", config_path, *overrides,
+                             f"buffer.redis_url={url}"],
+                            stdout=open(run_dir / "logs" / "buffer.log", "ab"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _serve(buffer: subprocess.Popen, client, keys, wait_for_driver: bool, run_dir: Path, stopping: list) -> int:
+    """Waits for the buffer to leave (or a signal), then keeps Redis up while the run winds down;
+    returns the core's exit code."""
+    while buffer.poll() is None and not stopping:
+        time.sleep(0.5)
+    if stopping:
+        log.warning("core: signalled, stopping the buffer and Redis")
+        return 0
+    if buffer.returncode != 0:
+        log.error("buffer exited with %d (see %s/logs/buffer.log)", buffer.returncode, run_dir)
+        return 1
+    _wait_generators_left(client, keys, stopping)
+    deadline = time.monotonic() + DRIVER_LINGER_S
+    while wait_for_driver and not stopping and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return 0
+
+
+def _stop_buffer(buffer: subprocess.Popen) -> None:
+    if buffer.poll() is None:
+        buffer.terminate()
+        try:
+            buffer.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            buffer.kill()
+
+
+def run_core(config_path: str, backend: str, overrides: list[str] | None = None, wait_for_driver: bool = False) -> int:
+    from asyncrl.config import load_config
+    from asyncrl.launch.affinity import check_available
+    from asyncrl.launch.elastic import publish_backend
+    from asyncrl.protocol.keys import Keys
+    from asyncrl.protocol.security import redis_url_file, set_redis_password_file
 
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)
@@ -101,46 +152,20 @@ def run_core(config_path: str, backend: str, overrides: list[str] | None = None)
         print(f"asyncrl core: deploy.bind_host={host} needs deploy.redis_password_file (redis-server refuses "
               "other hosts without a password; `asyncrl keys token --out FILE` makes one)", file=sys.stderr, flush=True)
         return 2
-    redis = LocalRedis(run_dir / "redis", appendfsync=cfg.buffer.appendfsync, password=redis_password(),
-                       host=host, cpus=cpus_of(cfg, "buffer")).start()  # the buffer pins itself
-    url = f"redis://{advertised_host(host, cfg.deploy.advertise_host)}:{redis.port}/0"
-    client = connect(f"redis://127.0.0.1:{redis.port}/0" if host in ("0.0.0.0", "::") else url)
+    redis, url, client = _start_redis(cfg)
     keys = Keys(cfg.run.name)
     client.delete(keys.stop)
     publish_backend(client, keys, backend, host=socket.gethostname(), job=os.environ.get("SLURM_JOB_ID", ""))
-    tmp = url_file.with_suffix(".tmp")
-    tmp.write_text(url + "\n")
-    tmp.replace(url_file)  # atomic: readers never see half an address
+    _publish_url(url_file, url)
     log.info("core up: redis=%s run_dir=%s backend=%s", url, run_dir, backend)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    buffer = subprocess.Popen([sys.executable, "-m", "asyncrl", "buffer", config_path, *overrides,
-                               f"buffer.redis_url={url}"],
-                              stdout=open(run_dir / "logs" / "buffer.log", "ab"), stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    buffer = _start_buffer(config_path, overrides, url, run_dir)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    code = 0
     try:
-        while buffer.poll() is None and not stopping:
-            time.sleep(0.5)
-        if stopping:
-            log.warning("core: signalled, stopping the buffer and Redis")
-        elif buffer.returncode != 0:
-            log.error("buffer exited with %d (see %s/logs/buffer.log)", buffer.returncode, run_dir)
-            code = 1
-        else:
-            _wait_generators_left(client, keys, stopping)
-            deadline = time.monotonic() + RAY_LINGER_S
-            while backend == "ray" and not stopping and time.monotonic() < deadline:
-                time.sleep(0.2)
+        code = _serve(buffer, client, keys, wait_for_driver, run_dir, stopping)
     finally:
-        if buffer.poll() is None:
-            buffer.terminate()
-            try:
-                buffer.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                buffer.kill()
+        _stop_buffer(buffer)
         url_file.unlink(missing_ok=True)
         redis.stop()
     log.info("core: done (exit %d)", code)
@@ -153,13 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("core")
     c.add_argument("config")
     c.add_argument("overrides", nargs="*", help="dotted overrides (the Ray driver's: the node's own bind address)")
-    c.add_argument("--backend", choices=["slurm", "ray"], required=True)
+    c.add_argument("--backend", required=True, help="the backend that runs the fleet (asyncrl/launch/backends.py), "
+                   "published in the run's Redis for `asyncrl scale`")
+    c.add_argument("--wait-for-driver", action="store_true", help="after the buffer left, keep Redis up until "
+                   f"SIGTERM (at most {DRIVER_LINGER_S:.0f} s): a driver that outlives the roles stops the core")
     w = sub.add_parser("wait-redis", help="print the run's Redis address once the core job published it")
     w.add_argument("run_dir")
     w.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.cmd == "core":
-        return run_core(args.config, args.backend, args.overrides)
+        return run_core(args.config, args.backend, args.overrides, args.wait_for_driver)
     print(wait_redis_url(Path(args.run_dir), args.timeout))
     return 0
 

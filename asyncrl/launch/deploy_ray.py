@@ -328,10 +328,7 @@ class RayDriver:
         return gid
 
     def run(self) -> int:
-        from asyncrl.launch.deploy_core import wait_redis_url
-        from asyncrl.launch.elastic import pop_requests
-        from asyncrl.protocol.keys import Keys, connect, log_event
-        from asyncrl.protocol.security import redis_url_file
+        from asyncrl.protocol.keys import Keys, connect
 
         cfg = self.cfg
         # Fail fast: a run the cluster cannot hold would wait for its last placement group forever.
@@ -341,16 +338,8 @@ class RayDriver:
                   f"{self.learner_nodes} learner node(s), {self.num_generators} generator(s))", file=sys.stderr,
                   flush=True)
             return 2
-        redis_url_file(cfg.run_dir).unlink(missing_ok=True)
-        core_pg = self._place([self._bundle(0, self.resources["core"])])
-        core = self._actor("core", [sys.executable, "-m", "asyncrl.launch.deploy_core", "core", self.config_path,
-                                    *node_bind_overrides(cfg, self._bundle_ip(core_pg)), "--backend", "ray"], core_pg)
-        try:
-            self.redis_url = wait_redis_url(cfg.run_dir, exit_code=lambda: self.ray.get(core.poll.remote(), timeout=30))
-        except (RuntimeError, TimeoutError) as e:
-            print(f"asyncrl ray driver: {e}", file=sys.stderr, flush=True)
-            self.ray.kill(core, no_restart=True)
-            self.ray.util.remove_placement_group(core_pg)  # its CPUs are free at once, not at the job's end
+        core = self._start_core()
+        if core is None:
             return 1
         client, keys = connect(self.redis_url), Keys(cfg.run.name)
         learner_pg = self._place([self._bundle(self.gpus, self.resources["learner"])] * self.learner_nodes,
@@ -360,22 +349,54 @@ class RayDriver:
             self.start_generator()
         print(f"asyncrl ray driver: {cfg.run.name}: core, {self.learner_nodes} learner node(s), "
               f"{self.num_generators} generator(s); redis {self.redis_url}", flush=True)
+        code = self._supervise(core, learners, client, keys)
+        print(f"asyncrl ray driver: learner exited with {code}; generators restarted {self.num_restarts} time(s)",
+              flush=True)
+        self._teardown(core, learners)
+        return 0 if code == 0 else 1
+
+    def _start_core(self):
+        """The core actor (Redis + buffer) once it published the run's Redis address (`self.redis_url`);
+        None when it failed before that (its placement group is removed)."""
+        from asyncrl.launch.deploy_core import wait_redis_url
+        from asyncrl.protocol.security import redis_url_file
+
+        cfg = self.cfg
+        redis_url_file(cfg.run_dir).unlink(missing_ok=True)
+        core_pg = self._place([self._bundle(0, self.resources["core"])])
+        core = self._actor("core", [sys.executable, "-m", "asyncrl.launch.deploy_core", "core", self.config_path,
+                                    *node_bind_overrides(cfg, self._bundle_ip(core_pg)), "--backend", "ray",
+                                    "--wait-for-driver"], core_pg)
+        try:
+            self.redis_url = wait_redis_url(cfg.run_dir, exit_code=lambda: self.ray.get(core.poll.remote(), timeout=30))
+        except (RuntimeError, TimeoutError) as e:
+            print(f"asyncrl ray driver: {e}", file=sys.stderr, flush=True)
+            self.ray.kill(core, no_restart=True)
+            self.ray.util.remove_placement_group(core_pg)  # its CPUs are free at once, not at the job's end
+            return None
+        return core
+
+    def _supervise(self, core, learners: list, client, keys):
+        """Until the learner exits (its code) or the core fails (1): scale requests and generator restarts."""
+        from asyncrl.launch.elastic import pop_requests
+        from asyncrl.protocol.keys import log_event
+
         code = None
         while code is None:
             time.sleep(1.0)
             code = self.ray.get(learners[0].poll.remote())
             if self.ray.get(core.poll.remote()) not in (None, 0):
                 log.error("the core (Redis + buffer) failed: stopping")
-                code = 1
-                break
+                return 1
             for delta in pop_requests(client, keys):
                 self._scale(delta, client, keys, log_event)
             self._supervise_generators(client, keys, log_event)
-        print(f"asyncrl ray driver: learner exited with {code}; generators restarted {self.num_restarts} time(s)",
-              flush=True)
+        return code
+
+    def _teardown(self, core, learners: list) -> None:
         # The learner set the stop key: the generators and the buffer leave by themselves. Redis (the
         # core) must outlive every role's last call: the core keeps it up after the buffer left
-        # (asyncrl/launch/deploy_core.py, backend ray) until it is stopped here, once the learner nodes and
+        # (asyncrl/launch/deploy_core.py, --wait-for-driver) until it is stopped here, once the learner nodes and
         # the generators are gone. The driver itself calls Redis no more from here on.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and any(
@@ -394,7 +415,6 @@ class RayDriver:
             except Exception as e:  # already gone is fine: we are tearing down
                 log.info("teardown: %r", e)
             self.ray.kill(actor, no_restart=True)
-        return 0 if code == 0 else 1
 
     def _start_learner(self, pg) -> list:
         cfg = self.cfg

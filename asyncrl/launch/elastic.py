@@ -1,10 +1,11 @@
-"""Elastic scaling: `asyncrl scale CONFIG --generators +K|-K` for every backend.
+"""Elastic scaling: the run's scale requests and the local launcher's side of them.
 
-The run's Redis says which backend runs the fleet (`deploy` hash, written at start):
+`asyncrl scale CONFIG --generators +K|-K` asks the backend the run published in its Redis (`deploy`
+hash, written at start) through its entry in asyncrl/launch/backends.py:
 - `local` (`asyncrl run`) and `ray` (the Ray driver): the request goes on the run's `scale` list,
-  which the launcher / driver watches and acts on (start generator children or actors; SIGTERM the
-  newest ones, which drain and exit 0);
-- `slurm`: this process submits generator jobs, or cancels the newest with SIGTERM (they drain).
+  which the launcher (`LocalScaler` here) / driver watches and acts on (start generator children or
+  actors; SIGTERM the newest ones, which drain and exit 0);
+- `slurm`: the `asyncrl scale` process submits generator jobs, or cancels the newest with SIGTERM (they drain).
 
 Added generators join on their own: they heartbeat, and the learner's next fleet check opens a new
 weight-group epoch with them. Removed generators stop leasing, push what is in flight, and leave.
@@ -51,24 +52,6 @@ def pop_requests(client, keys: Keys) -> list[int]:
         except (ValueError, KeyError, TypeError) as e:
             log.error("bad scale request %r dropped: %r", raw, e)
     return deltas
-
-
-def scale(cfg, delta: int) -> str:
-    """Scales the running run's generator fleet; returns what was done, for the console."""
-    from asyncrl.protocol.keys import connect
-    from asyncrl.protocol.security import resolve_redis_url
-
-    client = connect(resolve_redis_url(cfg), retry_s=30)
-    keys = Keys(cfg.run.name)
-    backend = (client.hget(keys.deploy, "backend") or b"").decode()
-    if not backend:
-        raise ValueError(f"run {cfg.run.name!r} is not running (no {keys.deploy} in Redis)")
-    if backend == "slurm":
-        from asyncrl.launch.deploy_slurm import scale_slurm
-
-        return scale_slurm(cfg, client, keys, delta)
-    request_scale(client, keys, delta)
-    return f"asked the {backend} backend to {'add' if delta > 0 else 'remove'} {abs(delta)} generator(s)"
 
 
 class LocalScaler:
