@@ -120,11 +120,12 @@ class EpisodeOut:
 
 
 async def run_episode(engine, codec: TurnCodec, env: Environment, prompt_ids: list[int], version: Callable[[], int],
-                      limits: EpisodeLimits) -> EpisodeOut:
-    """Plays one episode to its end; never raises because of the environment (see the module doc)."""
+                      limits: EpisodeLimits, temperature: float | None = None) -> EpisodeOut:
+    """Plays one episode to its end; never raises because of the environment (see the module doc).
+    `temperature`: None, generator.temperature; 0.0, greedy turns (evaluation)."""
     ep = EpisodeOut()
     try:
-        await _play(engine, codec, env, prompt_ids, version, limits, ep)
+        await _play(engine, codec, env, prompt_ids, version, limits, ep, temperature)
     finally:
         try:
             env.close()
@@ -133,14 +134,15 @@ async def run_episode(engine, codec: TurnCodec, env: Environment, prompt_ids: li
     return ep
 
 
-async def _play(engine, codec, env, prompt_ids, version, limits, ep: EpisodeOut) -> None:
+async def _play(engine, codec, env, prompt_ids, version, limits, ep: EpisodeOut, temperature: float | None) -> None:
     while True:
         room = min(limits.max_tokens - len(ep.token_ids), limits.max_model_len - len(prompt_ids) - len(ep.token_ids))
         budget = min(limits.turn_tokens, room)
         if budget <= 0:
             ep.end_reason = "max_tokens"
             return
-        (turn,) = await engine.generate_group(prompt_ids + ep.token_ids, 1, version, max_tokens=budget)
+        (turn,) = await engine.generate_group(prompt_ids + ep.token_ids, 1, version, temperature=temperature,
+                                              max_tokens=budget)
         ep.turns += 1
         ep.finish_reason = turn.finish_reason
         ep.add(turn.token_ids, turn.logprobs, turn.versions, policy=True)

@@ -17,6 +17,8 @@ from asyncrl.protocol import schema
 from asyncrl.tasks.data import encode_prompt
 from asyncrl.tasks.evaluation import EVAL_GROUP, eval_prompts_key, eval_results_key
 from asyncrl.tasks.rewards import is_correct
+from asyncrl.tasks.synthetic import PromptRecord
+from generators.episodes import run_episode
 
 log = logging.getLogger(__name__)
 
@@ -83,27 +85,49 @@ class EvalWorker:
         # Evaluate the version the round names: wait for its weights (a newer version is fine too).
         while gen.version < task.version and not gen.stopping.is_set():
             await asyncio.sleep(0.05)
-        prompt_ids = encode_prompt(gen.tokenizer, task.prompt, gen.cfg.data.chat_template)
-        jobs = [gen.engine.generate_group(prompt_ids, 1, lambda: gen.version, temperature=0.0)]
-        if task.k > 0:
-            jobs.append(gen.engine.generate_group(prompt_ids, task.k, lambda: gen.version))
-        outs = await asyncio.gather(*jobs)
-        greedy = outs[0][0]
-        samples = outs[1] if task.k > 0 else []
-        (greedy_reward, greedy_correct), *scored = await gen.rewards.call(
-            lambda: [self.score(s.token_ids, task) for s in [greedy, *samples]])  # on the reward threads
-        versions = [v for s in [greedy, *samples] for v in s.versions] or [gen.version]
+        if gen.env_factory is not None:
+            (greedy_reward, greedy_correct), *scored, versions, num_tokens = await self._episodes(task)
+        else:
+            (greedy_reward, greedy_correct), *scored, versions, num_tokens = await self._completions(task)
         result = schema.EvalResult(
             schema_version=schema.SCHEMA_VERSION, round_id=task.round_id, version=task.version,
             prompt_id=task.prompt_id, generator_id=gen.id, greedy_correct=greedy_correct,
             greedy_reward=greedy_reward, sample_correct=schema.pack_i32([int(c) for _, c in scored]),
-            sample_rewards=schema.pack_f32([r for r, _ in scored]), min_version=int(min(versions)),
-            num_tokens=sum(len(s.token_ids) for s in [greedy, *samples]), finished_at=time.time())
+            sample_rewards=schema.pack_f32([r for r, _ in scored]), min_version=int(min(versions or [gen.version])),
+            num_tokens=num_tokens, finished_at=time.time())
         async with gen.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.results_key, {"data": schema.encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
             pipe.xack(self.prompts_key, EVAL_GROUP, entry_id)
             await pipe.execute()
         self.num_done += 1
+
+    async def _completions(self, task: schema.EvalTask) -> list:
+        """One greedy completion and `task.k` sampled ones, scored by the reward: [(reward, correct) of
+        each, greedy first; then every token's version; then the tokens generated]."""
+        gen = self.gen
+        prompt_ids = encode_prompt(gen.tokenizer, task.prompt, gen.cfg.data.chat_template)
+        jobs = [gen.engine.generate_group(prompt_ids, 1, lambda: gen.version, temperature=0.0)]
+        if task.k > 0:
+            jobs.append(gen.engine.generate_group(prompt_ids, task.k, lambda: gen.version))
+        outs = await asyncio.gather(*jobs)
+        every = [outs[0][0], *(outs[1] if task.k > 0 else [])]
+        scored = await gen.rewards.call(lambda: [self.score(s.token_ids, task) for s in every])  # reward threads
+        return [*scored, [v for s in every for v in s.versions], sum(len(s.token_ids) for s in every)]
+
+    async def _episodes(self, task: schema.EvalTask) -> list:
+        """A task with an environment: one episode of greedy turns and `task.k` at the training
+        temperature (generators/episodes.py), each scored by its environment's summed reward and correct
+        where that reward is at least 1; the same list as `_completions`."""
+        gen = self.gen
+        row = PromptRecord(prompt_id=task.prompt_id, prompt=task.prompt, answer=task.answer)
+        system = gen.cfg.env.system_prompt or getattr(gen.env_factory, "system_prompt", "")
+        prompt_ids = gen.codec.prompt_ids(system, task.prompt)
+        episodes = await asyncio.gather(*(
+            run_episode(gen.engine, gen.codec, gen.env_factory(gen.cfg, row), prompt_ids, lambda: gen.version,
+                        gen.episode_limits, temperature=t) for t in [0.0] + [None] * task.k))
+        scored = [(float(ep.reward), ep.reward >= 1.0 - 1e-6) for ep in episodes]
+        versions = [v for ep in episodes for v, m in zip(ep.versions, ep.mask, strict=True) if m]
+        return [*scored, versions, sum(len(ep.token_ids) for ep in episodes)]
 
     def score(self, token_ids: list[int], task: schema.EvalTask) -> tuple[float, bool]:
         text = self.gen.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config import load_config
+from asyncrl.config import ConfigError, load_config
 from asyncrl.envs import calc, guess
 from asyncrl.envs.python_tool import PythonToolEnv
 from asyncrl.envs.sandbox import SandboxLimits, run_python
@@ -238,3 +238,17 @@ def test_the_python_tool_environment_turns_a_failed_run_into_an_error_observatio
     assert err.observation == "<error>ZeroDivisionError: division by zero</error>" and err.tool_errors == 1
     assert answer.done and answer.reward == 1.0
     assert np.isfinite(out.info["sandbox_s"])
+
+
+@pytest.mark.parametrize("override, says", [
+    ("algorithm.advantage=remax", "takes a greedy completion of each prompt as its baseline"),
+    ("generator.backend=hf", "multi-turn episodes run on generator.backend=vllm"),
+    ("env.max_tokens=4096", "must be below generator.max_model_len"),
+])
+def test_settings_episodes_cannot_run_with_are_refused_in_one_line(override, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, ["data.task=guess", override])
+
+
+def test_periodic_evaluation_is_allowed_with_an_environment_task():
+    assert load_config(None, ["data.task=calc", "eval.every=5"]).eval.every == 5

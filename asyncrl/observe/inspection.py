@@ -37,6 +37,19 @@ def current_logprobs(model, prompt_ids: list[int], completion_ids: list[int], te
     return lp.gather(-1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
 
 
+def episode_turns(tok, ids: list[int], mask: list[int]) -> list[dict]:
+    """A multi-turn episode's tokens as its turns: each run of the policy's tokens (mask 1) is an
+    assistant turn, each run of the others an environment turn (its observation, in the template's
+    framing)."""
+    turns, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            turns.append({"role": "assistant" if mask[start] else "environment",
+                          "text": tok.decode(ids[start:i], skip_special_tokens=True)})
+            start = i
+    return turns
+
+
 def inspect_trajectories(cfg: Config, redis_url: str, num_groups: int = 2, max_samples: int = 2,
                          model_path: str | None = None, with_current: bool = True) -> list[dict]:
     from transformers import AutoTokenizer
@@ -64,13 +77,19 @@ def inspect_trajectories(cfg: Config, redis_url: str, num_groups: int = 2, max_s
             ids = schema.unpack_i32(s.completion_ids).tolist()
             behav = schema.unpack_f32(s.logprobs).tolist()
             cur = current_logprobs(model, prompt_ids, ids, cfg.generator.temperature) if model else [None] * len(ids)
-            rec["samples"].append({
+            mask = list(s.loss_mask) if s.loss_mask else [1] * len(ids)
+            sample = {
                 "text": tok.decode(ids, skip_special_tokens=True), "reward": s.reward,
                 "finish_reason": s.finish_reason,
-                "tokens": [{"token": tok.decode([t]), "id": t, "version": int(v), "behaviour_logprob": b,
-                            "current_logprob": c}
-                           for t, v, b, c in zip(ids, schema.unpack_i32(s.versions).tolist(), behav, cur,
-                                                 strict=True)]})
+                "tokens": [{"token": tok.decode([t]), "id": t, "version": int(v), "policy": bool(m),
+                            "behaviour_logprob": b, "current_logprob": c}
+                           for t, v, m, b, c in zip(ids, schema.unpack_i32(s.versions).tolist(), mask, behav, cur,
+                                                    strict=True)]}
+            if s.episode is not None:
+                sample["episode"] = {k: getattr(s.episode, k)
+                                     for k in ("turns", "tool_calls", "tool_errors", "env_s", "end_reason")}
+                sample["turns"] = episode_turns(tok, ids, mask)
+            rec["samples"].append(sample)
         out.append(rec)
     return out
 
@@ -93,11 +112,20 @@ def print_records(records: list[dict], model_path: str, as_json: bool, weights_a
         console.rule(f"{rec['group_id']} from {rec['generator']} (entry {rec['entry']})")
         console.print(f"prompt: {rec['prompt']!r}")
         for s in rec["samples"]:
-            console.print(f"completion: {s['text']!r}  reward={s['reward']:.3f}  finish={s['finish_reason']}")
+            if "episode" in s:
+                ep = s["episode"]
+                console.print(f"episode: {ep['turns']} turns, {ep['tool_calls']} tool calls, {ep['tool_errors']} "
+                              f"tool errors, ended by {ep['end_reason']}  reward={s['reward']:.3f}")
+                for turn in s["turns"]:
+                    console.print(f"  [{turn['role']}] {turn['text']!r}")
+            else:
+                console.print(f"completion: {s['text']!r}  reward={s['reward']:.3f}  finish={s['finish_reason']}")
             table = Table()
             for col in ("token", "version", "behaviour lp", "current lp", "diff"):
                 table.add_column(col)
             for t in s["tokens"]:
+                if not t.get("policy", True):
+                    continue  # an observation's tokens: no behaviour log-prob, not trained
                 cur = t["current_logprob"]
                 diff = "-" if cur is None else f"{cur - t['behaviour_logprob']:+.3f}"
                 table.add_row(repr(t["token"]), str(t["version"]), f"{t['behaviour_logprob']:.3f}",

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from asyncrl.registry import ADVANTAGES
+
 if TYPE_CHECKING:
     from asyncrl.config import Config
     from asyncrl.tasks.synthetic import PromptRecord
@@ -147,11 +149,12 @@ def environment_errors(cfg: Config) -> list[str]:
     if cfg.env.max_tokens and cfg.env.max_tokens >= cfg.generator.max_model_len:
         errors.append(f"env.max_tokens={cfg.env.max_tokens} must be below generator.max_model_len="
                       f"{cfg.generator.max_model_len} (the prompt needs room), or 0 for up to the model length")
-    if cfg.eval.every > 0:
-        errors.append(f"data.task={cfg.data.task} is played as episodes, which periodic evaluation does not run: "
-                      "set eval.every=0")
     if cfg.generator.backend != "vllm":
         errors.append(f"data.task={cfg.data.task}: multi-turn episodes run on generator.backend=vllm")
+    if ADVANTAGES.static_meta(cfg.algorithm.advantage).get("greedy_baseline"):
+        errors.append(f"algorithm.advantage={cfg.algorithm.advantage} takes a greedy completion of each prompt as "
+                      f"its baseline, which data.task={cfg.data.task}'s episodes do not play: choose another "
+                      "advantage (grpo, rloo, ...)")
     return errors
 
 
