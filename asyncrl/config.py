@@ -10,6 +10,7 @@ so every entry point can parse its config before importing torch or vLLM.
 from __future__ import annotations
 
 import difflib
+import logging
 import types
 import typing
 from importlib import resources
@@ -23,6 +24,8 @@ REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the checkou
 # link to configs/), so an installed wheel finds them by name from any directory, as a checkout does.
 PACKAGED_CONFIGS = Path(str(resources.files("asyncrl") / "configs"))
 DEFAULT_CONFIG = PACKAGED_CONFIGS / "tiny.yaml"
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -82,20 +85,39 @@ class RunConfig(Section):
     roles apart (asyncrl/launch/affinity.py); off: never pins unless a role's `cpus` says so."""
 
 
+class TinyModelConfig(Section):
+    """The tiny Qwen2-architecture model written when model.path is empty (asyncrl/tools/tiny_model.py)."""
+
+    warm_start_steps: int = 30
+    """supervised warm start of the tiny model (format only, see tiny_model.py)"""
+    warm_start_lr: float = 3e-3
+    """larger shapes want less (the gpu-copy benchmark preset: 1e-3)"""
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 0
+    """0: hidden_size // 64, i.e. head dimension 64 (what vLLM's CPU attention takes)"""
+    num_kv_heads: int = 1
+    intermediate_size: int = 0
+    """0: 2 * hidden_size"""
+
+    def shape(self) -> dict:
+        """The shape as keyword arguments of asyncrl.tools.tiny_model.write_tiny_model."""
+        heads = self.num_heads or self.hidden_size // 64
+        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": heads,
+                "num_kv_heads": self.num_kv_heads, "intermediate_size": self.intermediate_size or 2 * self.hidden_size}
+
+    def shape_ok(self) -> bool:
+        heads = self.shape()["num_heads"]
+        return (self.hidden_size > 0 and self.num_layers > 0 and heads > 0 and self.num_kv_heads > 0
+                and self.intermediate_size >= 0 and self.hidden_size % (self.num_heads or 64) == 0
+                and heads % self.num_kv_heads == 0)
+
+
 class ModelConfig(Section):
     path: str = ""
     """A Hugging Face model directory or hub name. Empty: a tiny model is written to {run_dir}/tiny-model."""
-    tiny_warm_start_steps: int = 30
-    """supervised warm start of the tiny model (format only, see tiny_model.py)"""
-    tiny_warm_start_lr: float = 3e-3
-    """larger shapes want less (the gpu-copy benchmark preset: 1e-3)"""
-    tiny_hidden_size: int = 128
-    tiny_num_layers: int = 2
-    tiny_num_heads: int = 0
-    """0: tiny_hidden_size // 64, i.e. head dimension 64 (what vLLM's CPU attention takes)"""
-    tiny_num_kv_heads: int = 1
-    tiny_intermediate_size: int = 0
-    """0: 2 * tiny_hidden_size"""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """the tiny model's shape and warm start (model.path empty)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -410,6 +432,51 @@ AggregationName = _registered("AGGREGATIONS")
 RolloutRSName = _registered("ROLLOUT_CORRECTIONS")
 
 
+# The settings of single losses (algorithm.loss), one section each: algorithm.{mis,sapo,cov,dppo,dro}.
+
+
+class MisConfig(Section):
+    """loss=mis (masked IS): tokens with pi/mu outside [low, high] are dropped"""
+
+    low: Annotated[float, Positive] = 0.5
+    high: float = 2.0
+
+
+class SapoConfig(Section):
+    """loss=sapo: the soft gate's temperatures"""
+
+    tau_pos: Annotated[float, Positive] = 1.0
+    """gate temperature for A > 0"""
+    tau_neg: Annotated[float, Positive] = 1.05
+    """gate temperature for A <= 0"""
+
+
+class CovConfig(Section):
+    """loss=clip_cov / kl_cov: the high-covariance tokens they act on"""
+
+    ratio: Annotated[float, Field(gt=0, le=1)] = 0.0002
+    """fraction of tokens picked"""
+    lb: float = 1.0
+    """loss=clip_cov: covariance band (lb, ub) of the tokens that may be detached"""
+    ub: float = 5.0
+    kl_coef: Annotated[float, NonNegative] = 1.0
+    """loss=kl_cov: weight of |log r| on the picked tokens"""
+
+
+class DppoConfig(Section):
+    """loss=dppo_*"""
+
+    ratio_cap: Annotated[float, Field(ge=1)] = 20.0
+    """C in sg(min(r, C)); the masks use algorithm.clip_low/high"""
+
+
+class DroConfig(Section):
+    """loss=dro"""
+
+    beta: Annotated[float, NonNegative] = 0.1
+    """weight of the (log pi - log mu)^2 leash"""
+
+
 class AlgorithmConfig(Section):
     advantage: AdvantageName = "grpo"
     """Every algorithm's value, what it is for and its reference: docs/algorithms.md (from asyncrl/registry.py).
@@ -426,9 +493,8 @@ class AlgorithmConfig(Section):
     """C in min(pi_prox / mu, C)"""
     is_level: Literal["token", "sequence"] = "token"
     """truncated IS weight per token or per sequence"""
-    mis_low: Annotated[float, Positive] = 0.5
-    """masked IS (loss=mis): tokens with pi/mu outside [low, high] are dropped"""
-    mis_high: float = 2.0
+    mis: MisConfig = Field(default_factory=MisConfig)
+    """loss=mis: low, high"""
     kl_coef: Annotated[float, NonNegative] = 0.0
     """KL to the frozen reference (the initial model); 0: no reference is loaded"""
     kl_estimator: KLEstimatorName = "k3"
@@ -472,21 +538,14 @@ class AlgorithmConfig(Section):
     behaviour IS weight (min(pi/mu, is_cap) for decoupled_ppo / tis): the baseline for off-policy samples."""
     passk_norm_std: bool = True
     """advantage=grpo_passk: divide the margin by the group's std"""
-    sapo_tau_pos: Annotated[float, Positive] = 1.0
-    """loss=sapo: gate temperature for A > 0"""
-    sapo_tau_neg: Annotated[float, Positive] = 1.05
-    """loss=sapo: gate temperature for A <= 0"""
-    cov_ratio: Annotated[float, Field(gt=0, le=1)] = 0.0002
-    """loss=clip_cov / kl_cov: fraction of tokens picked"""
-    cov_lb: float = 1.0
-    """loss=clip_cov: covariance band (lb, ub) of the tokens that may be detached"""
-    cov_ub: float = 5.0
-    cov_kl_coef: Annotated[float, NonNegative] = 1.0
-    """loss=kl_cov: weight of |log r| on the picked tokens"""
-    dppo_ratio_cap: Annotated[float, Field(ge=1)] = 20.0
-    """loss=dppo_*: C in sg(min(r, C)); the masks use clip_low/high"""
-    dro_beta: Annotated[float, NonNegative] = 0.1
-    """loss=dro: weight of the (log pi - log mu)^2 leash"""
+    sapo: SapoConfig = Field(default_factory=SapoConfig)
+    """loss=sapo: tau_pos, tau_neg"""
+    cov: CovConfig = Field(default_factory=CovConfig)
+    """loss=clip_cov / kl_cov: ratio, lb, ub, kl_coef"""
+    dppo: DppoConfig = Field(default_factory=DppoConfig)
+    """loss=dppo_*: ratio_cap"""
+    dro: DroConfig = Field(default_factory=DroConfig)
+    """loss=dro: beta"""
     pf_ppo: Literal["none", "pow", "max_min", "max_random"] = "none"
     """PF-PPO reweighting of each sample's advantage by its reward (pow: |r|^pf_ppo_pow; max_min: only the
     batch's best and worst; max_random: best 0.4, others 0.1), normalised to mean 1 over the step's samples"""
@@ -525,8 +584,8 @@ class AlgorithmConfig(Section):
         if self.otb_is_weights and correction not in registry.IS_WEIGHT_CORRECTIONS:
             errors.append(f"algorithm.otb_is_weights=true takes the loss's behaviour IS weight, which algorithm.loss="
                           f"{self.loss} does not have: use one of {with_w} or set algorithm.otb_is_weights=false")
-        if self.cov_lb >= self.cov_ub:
-            errors.append(f"algorithm.cov_lb ({self.cov_lb}) must be < algorithm.cov_ub ({self.cov_ub})")
+        if self.cov.lb >= self.cov.ub:
+            errors.append(f"algorithm.cov.lb ({self.cov.lb}) must be < algorithm.cov.ub ({self.cov.ub})")
         return errors
 
     def _lower_bound_errors(self) -> list[str]:
@@ -668,18 +727,8 @@ class Config(Section):
         return self.model.path or str(self.run_dir / "tiny-model")
 
     def tiny_shape(self) -> dict:
-        """`model.tiny_*` as keyword arguments of asyncrl.tools.tiny_model.write_tiny_model."""
-        m = self.model
-        heads = m.tiny_num_heads or m.tiny_hidden_size // 64
-        return {"hidden_size": m.tiny_hidden_size, "num_layers": m.tiny_num_layers, "num_heads": heads,
-                "num_kv_heads": m.tiny_num_kv_heads,
-                "intermediate_size": m.tiny_intermediate_size or 2 * m.tiny_hidden_size}
-
-    def _tiny_shape_ok(self) -> bool:
-        m, heads = self.model, self.tiny_shape()["num_heads"]
-        return (m.tiny_hidden_size > 0 and m.tiny_num_layers > 0 and heads > 0 and m.tiny_num_kv_heads > 0
-                and m.tiny_intermediate_size >= 0 and m.tiny_hidden_size % (m.tiny_num_heads or 64) == 0
-                and heads % m.tiny_num_kv_heads == 0)
+        """`model.tiny` as keyword arguments of asyncrl.tools.tiny_model.write_tiny_model."""
+        return self.model.tiny.shape()
 
     def _advantage_meta(self, flag: str) -> bool:
         """A flag of algorithm.advantage's registration (asyncrl/algorithms/advantages.py), read without torch."""
@@ -733,6 +782,7 @@ class Config(Section):
 
     def _settings_checks(self) -> list[tuple[bool, str]]:
         """(ok, message) of settings that must agree with one another within or across sections."""
+        tiny = self.model.tiny
         return [
             (not (self.reward.function and self.reward.model), "set reward.function or reward.model, not both"),
             (not (self.run.resume and self.run.reset), "run.resume=true continues the run and run.reset=true "
@@ -742,9 +792,9 @@ class Config(Section):
              f"({self.learner.nproc}) so every rank gets whole groups"),
             (self.learner.batch_groups % self.learner.minibatches == 0,
              "learner.batch_groups must be divisible by learner.minibatches"),
-            (self._tiny_shape_ok(), f"model.tiny_hidden_size ({self.model.tiny_hidden_size}) must be a multiple of 64 "
-             f"with model.tiny_num_heads=0, else of model.tiny_num_heads ({self.model.tiny_num_heads}), which must be a "
-             f"multiple of model.tiny_num_kv_heads ({self.model.tiny_num_kv_heads}); layers and sizes > 0"),
+            (tiny.shape_ok(), f"model.tiny.hidden_size ({tiny.hidden_size}) must be a multiple of 64 with "
+             f"model.tiny.num_heads=0, else of model.tiny.num_heads ({tiny.num_heads}), which must be a multiple "
+             f"of model.tiny.num_kv_heads ({tiny.num_kv_heads}); layers and sizes > 0"),
             (self.buffer.replay_ratio == 1 or self.buffer.sampling == "replay",
              f"buffer.replay_ratio={self.buffer.replay_ratio} only takes effect with buffer.sampling=replay "
              f"(got buffer.sampling={self.buffer.sampling})"),
@@ -753,8 +803,8 @@ class Config(Section):
              "parameters, gradients and optimizer state together"),
             (self.algorithm.dual_clip == 0 or self.algorithm.dual_clip > 1,
              f"algorithm.dual_clip must be 0 (off) or > 1, got {self.algorithm.dual_clip}"),
-            (self.algorithm.mis_low < 1 < self.algorithm.mis_high,
-             "algorithm.mis_low must be < 1 < algorithm.mis_high"),
+            (self.algorithm.mis.low < 1 < self.algorithm.mis.high,
+             "algorithm.mis.low must be < 1 < algorithm.mis.high"),
             (not self.learner.lora.enabled or bool(self.learner.lora.target_modules),
              "learner.lora.target_modules must name at least one module (e.g. q_proj,v_proj)"),
         ]
@@ -801,6 +851,54 @@ class Config(Section):
 
 
 # ---- loading -------------------------------------------------------------------------------------
+
+# Keys that moved into a sub-section, old dotted key -> new. The old ones are still read for one
+# release, in a config file and as a `key=value` override alike, each with a one-line deprecation
+# message naming the new key; the schema and the configs a run writes have only the new ones.
+RENAMED_KEYS = {
+    **{f"model.tiny_{key}": f"model.tiny.{key}" for key in ("warm_start_steps", "warm_start_lr", "hidden_size",
+                                                             "num_layers", "num_heads", "num_kv_heads",
+                                                             "intermediate_size")},
+    "algorithm.mis_low": "algorithm.mis.low",
+    "algorithm.mis_high": "algorithm.mis.high",
+    "algorithm.sapo_tau_pos": "algorithm.sapo.tau_pos",
+    "algorithm.sapo_tau_neg": "algorithm.sapo.tau_neg",
+    "algorithm.cov_ratio": "algorithm.cov.ratio",
+    "algorithm.cov_lb": "algorithm.cov.lb",
+    "algorithm.cov_ub": "algorithm.cov.ub",
+    "algorithm.cov_kl_coef": "algorithm.cov.kl_coef",
+    "algorithm.dppo_ratio_cap": "algorithm.dppo.ratio_cap",
+    "algorithm.dro_beta": "algorithm.dro.beta",
+}
+_said_renamed: set[str] = set()
+
+
+def _renamed(old: str) -> str:
+    """The new key of a renamed one; the deprecation is said once per key and process."""
+    new = RENAMED_KEYS[old]
+    if old not in _said_renamed:
+        _said_renamed.add(old)
+        log.warning("config key %s is deprecated and is read until the next release: use %s", old, new)
+    return new
+
+
+def move_renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A config file's mapping with every renamed key moved to its new place (where both are set, the
+    new key's value stays)."""
+    for old in RENAMED_KEYS:
+        section, key = old.split(".")
+        node = data.get(section)
+        if not isinstance(node, dict) or key not in node:
+            continue
+        value = node.pop(key)
+        *parents, leaf = _renamed(old).split(".")[1:]
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{_renamed(old)}: {part} is not a section in the config file")
+        node.setdefault(leaf, value)
+    return data
+
 
 
 def _bounds(field) -> str:
@@ -920,7 +1018,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value (e.g. learner.lr=1e-6)")
         dotted, text = item.split("=", 1)
-        parts = dotted.strip().split(".")
+        dotted = dotted.strip()
+        if dotted in RENAMED_KEYS:
+            dotted = _renamed(dotted)
+        parts = dotted.split(".")
         node, cls = data, Config
         for i, part in enumerate(parts):
             path = ".".join(parts[:i])
@@ -998,7 +1099,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"config file {path} cannot be read: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping, got {data!r}")
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(move_renamed_keys(data), overrides or [])
     try:
         cfg = Config.model_validate(data, strict=True)
     except ValidationError as e:

@@ -92,7 +92,7 @@ class Registry:
 CORRECTIONS = {
     "behaviour_weight": "x min(pi_prox/mu, is_cap) at pi_prox (is_level=sequence: of the whole sequence's product)",
     "seq_geo_weight": "x min(geometric mean over the sequence of pi_prox/mu, is_cap): the form of its sequence ratio",
-    "masked_weight": "x pi_prox/mu at pi_prox, 0 outside [mis_low, mis_high]",
+    "masked_weight": "x pi_prox/mu at pi_prox, 0 outside [mis.low, mis.high]",
     "ratio_vs_behaviour": "its own ratio is taken against mu",
     "quadratic_leash": "its penalty (log pi - log mu)^2 is taken against mu",
 }

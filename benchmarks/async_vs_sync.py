@@ -18,8 +18,8 @@ memory); the learner on the same GPU in bf16 mixed precision (fp32 reductions); 
 `weights.backend=auto`, which picks CUDA IPC when the learner and the engine share a node. Needs,
 besides torch, transformers and vLLM's CUDA build: pyzmq, msgspec, redis (redis-py), pyyaml, numpy,
 safetensors, tokenizers, psutil (uvloop is used when present), and a `redis-server` binary on PATH.
-Without CUDA the preset still runs on vLLM's CPU build when shrunk: `model.tiny_hidden_size=128
-model.tiny_num_layers=2 model.tiny_num_heads=2 model.tiny_num_kv_heads=1 model.tiny_intermediate_size=256
+Without CUDA the preset still runs on vLLM's CPU build when shrunk: `model.tiny.hidden_size=128
+model.tiny.num_layers=2 model.tiny.num_heads=2 model.tiny.num_kv_heads=1 model.tiny.intermediate_size=256
 learner.batch_groups=4 generator.n=4 generator.enforce_eager=true data.min_len=8 data.max_len=16
 generator.max_tokens=16 generator.max_model_len=64` (a start-up check of the preset, not a measurement).
 
@@ -77,9 +77,9 @@ PRESETS = {
                    "learner.ppo_epochs=6", "algorithm.max_staleness=2", "logging.prometheus=false",
                    "run.stall_timeout_s=0", "generator.cpus=0", "learner.cpus=1", "buffer.cpus=1"],
     # One GPU, the copy task and a random-init model built here (see the docstring): nothing to download.
-    "gpu-copy": ["model.tiny_hidden_size=896", "model.tiny_num_layers=24", "model.tiny_num_heads=14",
-                 "model.tiny_num_kv_heads=2", "model.tiny_intermediate_size=4864", "model.tiny_warm_start_steps=60",
-                 "model.tiny_warm_start_lr=0.0003", "model.dtype=bfloat16", "generator.dtype=bfloat16",
+    "gpu-copy": ["model.tiny.hidden_size=896", "model.tiny.num_layers=24", "model.tiny.num_heads=14",
+                 "model.tiny.num_kv_heads=2", "model.tiny.intermediate_size=4864", "model.tiny.warm_start_steps=60",
+                 "model.tiny.warm_start_lr=0.0003", "model.dtype=bfloat16", "generator.dtype=bfloat16",
                  "data.min_len=128", "data.max_len=384", "generator.max_tokens=256", "generator.max_model_len=768",
                  "generator.n=8", "generator.max_concurrent_groups=128", "generator.gpu_memory_utilization=0.3",
                  "generator.enforce_eager=false", "learner.batch_groups=64", "learner.lr=1e-5",
@@ -389,8 +389,8 @@ def main() -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = out_dir / "tiny-model"
         if not (model / "model.safetensors").exists():  # a later call (--merge) reuses the same model
-            write_tiny_model(model, seed=0, warm_start_steps=probe.model.tiny_warm_start_steps, device=device,
-                             warm_start_lr=probe.model.tiny_warm_start_lr,
+            write_tiny_model(model, seed=0, warm_start_steps=probe.model.tiny.warm_start_steps, device=device,
+                             warm_start_lr=probe.model.tiny.warm_start_lr,
                              copy_len=(probe.data.min_len, probe.data.max_len),
                              max_positions=max(512, probe.generator.max_model_len), **probe.tiny_shape())
         model = str(model)

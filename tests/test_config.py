@@ -70,10 +70,10 @@ def test_benchmark_presets_load_and_tiny_shapes_are_checked():
             assert cfg.learner.mixed_precision.param_dtype == "bfloat16" == cfg.model.dtype == cfg.generator.dtype
     assert load_config(None, []).tiny_shape() == {"hidden_size": 128, "num_layers": 2, "num_heads": 2,
                                                   "num_kv_heads": 1, "intermediate_size": 256}
-    with pytest.raises(ConfigError, match="model.tiny_hidden_size .* multiple of 64"):
-        load_config(None, ["model.tiny_hidden_size=100"])
-    with pytest.raises(ConfigError, match="multiple of model.tiny_num_kv_heads"):
-        load_config(None, ["model.tiny_hidden_size=512", "model.tiny_num_kv_heads=3"])
+    with pytest.raises(ConfigError, match=r"model\.tiny\.hidden_size .* multiple of 64"):
+        load_config(None, ["model.tiny.hidden_size=100"])
+    with pytest.raises(ConfigError, match=r"multiple of model\.tiny\.num_kv_heads"):
+        load_config(None, ["model.tiny.hidden_size=512", "model.tiny.num_kv_heads=3"])
     with pytest.raises(ConfigError, match="weights.backend: 'mpi' is not one of"):
         load_config(None, ["weights.backend=mpi"])
 
@@ -131,6 +131,32 @@ def test_config_schema_describes_every_field_and_validates_the_shipped_configs(t
     for bad in ({"learner": {"lr": -1.0}}, {"run": {"mode": "sometimes"}}, {"generator": {"n": "four"}},
                 {"learner": {"lrr": 1e-6}}, {"buffer": {"ingest_port": 65536}}, {"run": {"affinity": "on"}}):
         assert not validator.is_valid(bad), bad
+
+
+def test_renamed_keys_still_load_with_one_line_naming_the_new_key(tmp_path, caplog):
+    """A key moved into a sub-section (`model.tiny_hidden_size` -> `model.tiny.hidden_size`) is read under
+    its old name from a file and from an override for one release, with one deprecation line each."""
+    from asyncrl.config import RENAMED_KEYS, Config, _said_renamed, dump_yaml
+
+    _said_renamed.clear()
+    path = tmp_path / "old.yaml"
+    path.write_text("model:\n  tiny_hidden_size: 256\n  tiny_warm_start_steps: 5\n"
+                    "algorithm:\n  loss: sapo\n  sapo_tau_pos: 2.0\n  cov:\n    lb: 0.5\n")
+    with caplog.at_level("WARNING", logger="asyncrl.config"):
+        cfg = load_config(path, ["algorithm.dro_beta=0.3", "algorithm.mis_high=3"])
+    assert cfg.model.tiny.hidden_size == 256 and cfg.model.tiny.warm_start_steps == 5
+    assert cfg.algorithm.sapo.tau_pos == 2.0 and cfg.algorithm.cov.lb == 0.5
+    assert cfg.algorithm.dro.beta == 0.3 and cfg.algorithm.mis.high == 3.0
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(lines) == 5 and all("\n" not in line for line in lines), lines
+    assert any("model.tiny_hidden_size" in line and "use model.tiny.hidden_size" in line for line in lines)
+    assert any("algorithm.dro_beta" in line and "use algorithm.dro.beta" in line for line in lines)
+    assert load_config(None, ["model.tiny_num_layers=3"]).model.tiny.num_layers == 3
+    assert "tiny_hidden_size" not in dump_yaml(cfg) and "sapo_tau_pos" not in dump_yaml(cfg)
+    for new in RENAMED_KEYS.values():  # every new key is a field of the tree
+        node = Config()
+        for part in new.split("."):
+            node = getattr(node, part)
 
 
 def test_config_check_is_one_line_and_exit_2():

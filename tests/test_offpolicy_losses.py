@@ -41,9 +41,9 @@ def inputs(seed=0):
 
 
 def alg_for(name, **kw):
-    # cov_ratio large enough that clip_cov / kl_cov pick tokens on 15 valid tokens.
-    return AlgorithmConfig(**{"loss": name, "is_cap": 3.0, "cov_ratio": 0.2, "cov_lb": -10.0, "cov_ub": 10.0,
-                              "dro_beta": 0.5, **kw})
+    # cov.ratio large enough that clip_cov / kl_cov pick tokens on 15 valid tokens.
+    return AlgorithmConfig(**{"loss": name, "is_cap": 3.0, "cov": {"ratio": 0.2, "lb": -10.0, "ub": 10.0},
+                              "dro": {"beta": 0.5}, **kw})
 
 
 def run(name, logp, prox, behav, adv, mask, valid=None, seed=0, **kw):
@@ -69,12 +69,12 @@ def on_policy(name, logp, prox, adv, mask, seed=0):
         "cispo": lambda: (-adv * lp, {}),
         "gspo": lambda: L.gspo(lp, prox, adv, mask, a.clip_low, a.clip_high),
         "gmpo": lambda: L.geo_mean_ppo(lp, prox, adv, mask, a.clip_low, a.clip_high),
-        "sapo": lambda: L.sapo(lp, prox, adv, mask, a.sapo_tau_pos, a.sapo_tau_neg),
+        "sapo": lambda: L.sapo(lp, prox, adv, mask, a.sapo.tau_pos, a.sapo.tau_neg),
         "gpg": lambda: (-adv * lp, {}),
-        "clip_cov": lambda: L.clip_cov(lp, prox, adv, mask, a.clip_low, a.clip_high, a.cov_ratio, a.cov_lb, a.cov_ub),
-        "kl_cov": lambda: L.kl_cov(lp, prox, adv, mask, a.cov_ratio, a.cov_kl_coef),
-        "dppo_tv": lambda: L.dppo(lp, prox, adv, mask, a.clip_low, a.clip_high, a.dppo_ratio_cap, "tv"),
-        "dppo_kl": lambda: L.dppo(lp, prox, adv, mask, a.clip_low, a.clip_high, a.dppo_ratio_cap, "kl"),
+        "clip_cov": lambda: L.clip_cov(lp, prox, adv, mask, a.clip_low, a.clip_high, a.cov.ratio, a.cov.lb, a.cov.ub),
+        "kl_cov": lambda: L.kl_cov(lp, prox, adv, mask, a.cov.ratio, a.cov.kl_coef),
+        "dppo_tv": lambda: L.dppo(lp, prox, adv, mask, a.clip_low, a.clip_high, a.dppo.ratio_cap, "tv"),
+        "dppo_kl": lambda: L.dppo(lp, prox, adv, mask, a.clip_low, a.clip_high, a.dppo.ratio_cap, "kl"),
         "dro": lambda: (-adv * lp, {}),
     }
     assert set(forms) == set(NAMES), "every registered loss needs its on-policy form here"

@@ -312,7 +312,7 @@ def behaviour_weight(alg: AlgorithmConfig, prox_BT, behav_BT, valid_BT) -> torch
     if kind == "seq_geo_weight":
         return behaviour_weight_seq_geo(prox_BT, behav_BT, valid_BT, alg.is_cap)
     if kind == "masked_weight":
-        return behaviour_mask_mis(prox_BT, behav_BT, alg.mis_low, alg.mis_high)[0]
+        return behaviour_mask_mis(prox_BT, behav_BT, alg.mis.low, alg.mis.high)[0]
     raise ValueError(f"algorithm.loss={alg.loss} corrects by {kind!r}, not by a behaviour IS weight")
 
 
@@ -351,8 +351,8 @@ def _tis(x: LossInputs):
 
 @POLICY_LOSSES.register("mis", ref="IcePop (Ling team, 2025); MIS (arXiv:2510.18855)", correction="masked_weight")
 def _mis(x: LossInputs):
-    """REINFORCE with IS weight pi/mu, tokens outside [mis_low, mis_high] masked out."""
-    return mis_pg(x.logp_BT, x.behav_BT, x.adv_BT, x.mask_BT, x.alg.mis_low, x.alg.mis_high, prox_BT=x.prox_BT)
+    """REINFORCE with IS weight pi/mu, tokens outside [mis.low, mis.high] masked out."""
+    return mis_pg(x.logp_BT, x.behav_BT, x.adv_BT, x.mask_BT, x.alg.mis.low, x.alg.mis.high, prox_BT=x.prox_BT)
 
 
 @POLICY_LOSSES.register("cispo", ref="MiniMax-M1 (arXiv:2506.13585)", correction="ratio_vs_behaviour")
@@ -375,8 +375,8 @@ def _gmpo(x: LossInputs):
 
 @POLICY_LOSSES.register("sapo", ref="SAPO (arXiv:2511.20347)", correction="behaviour_weight")
 def _sapo(x: LossInputs):
-    """Soft-gated ratio sigmoid(tau (r - 1)) * 4 / tau instead of the hard clip (sapo_tau_pos / _neg)."""
-    return _weighted(x, sapo(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, x.alg.sapo_tau_pos, x.alg.sapo_tau_neg))
+    """Soft-gated ratio sigmoid(tau (r - 1)) * 4 / tau instead of the hard clip (sapo.tau_pos / tau_neg)."""
+    return _weighted(x, sapo(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, x.alg.sapo.tau_pos, x.alg.sapo.tau_neg))
 
 
 @POLICY_LOSSES.register("gpg", ref="GPG (arXiv:2504.02546)", correction="behaviour_weight")
@@ -388,24 +388,24 @@ def _gpg(x: LossInputs):
 @POLICY_LOSSES.register("clip_cov", ref="Cui et al., The Entropy Mechanism of RL for LLMs (arXiv:2505.22617)",
                         correction="behaviour_weight")
 def _clip_cov(x: LossInputs):
-    """PPO-clip that also detaches a few high-covariance tokens (cov_ratio, cov_lb, cov_ub) to keep entropy."""
+    """PPO-clip that also detaches a few high-covariance tokens (cov.ratio, cov.lb, cov.ub) to keep entropy."""
     a = x.alg
-    return _weighted(x, clip_cov(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, a.clip_low, a.clip_high, a.cov_ratio,
-                                 a.cov_lb, a.cov_ub))
+    return _weighted(x, clip_cov(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, a.clip_low, a.clip_high, a.cov.ratio,
+                                 a.cov.lb, a.cov.ub))
 
 
 @POLICY_LOSSES.register("kl_cov", ref="Cui et al., The Entropy Mechanism of RL for LLMs (arXiv:2505.22617)",
                         correction="behaviour_weight")
 def _kl_cov(x: LossInputs):
-    """Policy gradient plus a |log r| penalty on the highest-covariance tokens (cov_ratio, cov_kl_coef)."""
-    return _weighted(x, kl_cov(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, x.alg.cov_ratio, x.alg.cov_kl_coef))
+    """Policy gradient plus a |log r| penalty on the highest-covariance tokens (cov.ratio, cov.kl_coef)."""
+    return _weighted(x, kl_cov(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, x.alg.cov.ratio, x.alg.cov.kl_coef))
 
 
 @POLICY_LOSSES.register("dppo_tv", ref="DPPO (arXiv:2602.04879)", correction="ratio_vs_behaviour")
 def _dppo_tv(x: LossInputs):
     """Truncated-IS policy gradient, trust region as a mask on the probability change |pi - pi_old|."""
     a = x.alg
-    return dppo(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, a.clip_low, a.clip_high, a.dppo_ratio_cap, "tv",
+    return dppo(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, a.clip_low, a.clip_high, a.dppo.ratio_cap, "tv",
                 behav_BT=x.behav_BT)
 
 
@@ -413,14 +413,14 @@ def _dppo_tv(x: LossInputs):
 def _dppo_kl(x: LossInputs):
     """Truncated-IS policy gradient, trust region as a mask on the binary KL of the token's probability."""
     a = x.alg
-    return dppo(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, a.clip_low, a.clip_high, a.dppo_ratio_cap, "kl",
+    return dppo(x.logp_BT, x.prox_BT, x.adv_BT, x.mask_BT, a.clip_low, a.clip_high, a.dppo.ratio_cap, "kl",
                 behav_BT=x.behav_BT)
 
 
 @POLICY_LOSSES.register("dro", ref="DRO, Richemond et al. 2024 (arXiv:2405.19107)", correction="quadratic_leash")
 def _dro(x: LossInputs):
-    """Policy gradient plus beta/2 (log pi - log mu)^2, a leash to the sampling policy (dro_beta)."""
-    return dro(x.logp_BT, x.behav_BT, x.adv_BT, x.mask_BT, x.alg.dro_beta)
+    """Policy gradient plus beta/2 (log pi - log mu)^2, a leash to the sampling policy (dro.beta)."""
+    return dro(x.logp_BT, x.behav_BT, x.adv_BT, x.mask_BT, x.alg.dro.beta)
 
 
 def policy_loss(x: LossInputs):

@@ -44,9 +44,9 @@ def ensure_model(cfg: Config) -> str:
         if not (path / "model.safetensors").exists():
             from asyncrl.tools.tiny_model import write_tiny_model
 
-            log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny_warm_start_steps)
-            write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny_warm_start_steps,
-                             warm_start_lr=cfg.model.tiny_warm_start_lr,
+            log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny.warm_start_steps)
+            write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny.warm_start_steps,
+                             warm_start_lr=cfg.model.tiny.warm_start_lr,
                              copy_len=(cfg.data.min_len, cfg.data.max_len),
                              max_positions=max(512, cfg.generator.max_model_len), **cfg.tiny_shape())
     return str(path)
