@@ -34,6 +34,7 @@ from learners.logprobs import micro_logprobs, micro_logprobs_sum_pi2
 
 if TYPE_CHECKING:
     from asyncrl.config import AlgorithmConfig, Config
+    from learners.batch import MicroBatch
     from learners.packing import StepPlan
 
 
@@ -319,7 +320,7 @@ class _MicroLoss:
     valid_bT: torch.Tensor
 
 
-def _micro_loss(model: nn.Module, mb, step: StepBatch, targets: Targets, cfg: Config, agg, with_entropy: bool,
+def _micro_loss(model: nn.Module, mb: MicroBatch, step: StepBatch, targets: Targets, cfg: Config, agg, with_entropy: bool,
                 kl_coef: float) -> _MicroLoss:
     """algorithm.loss on one micro-batch, divided by the batch-mean IS weight with is_normalize, on the
     kept tokens, + kl_coef * KL (kl_in=loss) - entropy_coef * exact entropy, each aggregated by `agg`."""
