@@ -10,6 +10,8 @@ Layout under `checkpoint.dir` (default `{run_dir}/checkpoints`):
 
 The learner acks the trajectories of a step only after the checkpoint holding that step's update
 has its COMPLETE marker, so after a crash every trajectory has shaped the persisted model once.
+meta.json lists those entries (`acked_entries`): a learner that died between the marker and the ack
+acks them on resume instead of training them again (learners/feed.py `ack_checkpointed`).
 """
 
 from __future__ import annotations

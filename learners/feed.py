@@ -5,8 +5,10 @@ and thinned by dynamic sampling, and the acks of the trajectories a durable upda
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.protocol import identity, sampling, schema
@@ -31,6 +33,21 @@ def open_run(cfg: Config) -> tuple:
     sampling.check_fleet(client, keys, cfg.generator)
     sampling.publish(client, keys, cfg.generator)
     return client, keys
+
+
+def ack_checkpointed(client, keys: Keys, checkpoint: Path) -> int:
+    """Acks the trajectories whose update the resumed `checkpoint` already holds (its meta.json's
+    `acked_entries`); returns how many were still unacked. The learner acks them right after the
+    checkpoint is complete; one that died in between (or while Redis was away for that ack) left
+    them pending, and the recovery path would train them a second time on top of the checkpoint
+    that holds them. Acking an entry twice is a no-op, so this is safe on every resume."""
+    entries = json.loads((Path(checkpoint) / "meta.json").read_text()).get("acked_entries", [])
+    num = int(client.xack(keys.trajectories, LEARNER_GROUP, *entries)) if entries else 0
+    if num:
+        log.warning("%d trajectory groups of checkpoint %s were never acked (the learner stopped between the "
+                    "checkpoint and its ack): acked now, not trained again", num, checkpoint)
+        log_event(client, keys, "ack_checkpointed", num=num, checkpoint=str(checkpoint))
+    return num
 
 
 class Feed:

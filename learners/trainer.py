@@ -28,7 +28,7 @@ from asyncrl.protocol import identity, schema
 from asyncrl.protocol.keys import log_event
 from asyncrl.protocol.store import set_and_notify
 from learners.checkpoint import export_hf
-from learners.feed import Feed, open_run
+from learners.feed import Feed, ack_checkpointed, open_run
 from learners.fleet import Fleet
 from learners.push import Milestones, Pusher
 from learners.push import decode_stored as _decode_stored
@@ -102,6 +102,8 @@ class Learner:
         self.watch = SelfWatch("learner", cfg.run.stall_timeout_s, client, keys,
                                publish=lambda f: client.hset(keys.learner, mapping=f))
         client.hset(keys.learner, mapping=self.watch.fields())  # a restart clears an old report
+        if self.resumed_from is not None:
+            ack_checkpointed(client, keys, self.resumed_from)  # before the recovery path could re-train them
         self.feed = Feed(cfg, client, keys, self.fleet, int(self.parts.model.config.vocab_size), self.version)
         return pusher
 
@@ -206,6 +208,8 @@ class Learner:
         meta = {"version": self.version, "step": self.step, "time": time.time(), **self.parts.training_state()}
         if self.rank == 0:
             meta["cursor"] = {k.decode(): v.decode() for k, v in self.client.hgetall(self.keys.cursor).items()}
+            # The entries this checkpoint makes durable: a resume acks them again (learners/feed.py).
+            meta["acked_entries"] = [e.decode() if isinstance(e, bytes) else str(e) for e in self.feed.unacked]
         path = self.parts.save(self.step, meta)
         # Only now is the update durable: ack the trajectories that shaped it.
         self._ack()

@@ -77,6 +77,9 @@ def test_kill_9_and_resume_continues_the_same_curve(tmp_path, tiny_model):
             client_b.xadd(keys_b.trajectories, {"data": schema.encode(g)})
         # Steps 3.. were never checkpointed: their groups are still pending, not acked.
         assert int(client_b.xpending(keys_b.trajectories, LEARNER_GROUP)["pending"]) >= GROUPS
+        # The checkpoint names the entries it made durable (a resume acks them again: tests/test_checkpoint_acks.py).
+        meta = json.loads((cfg_b.checkpoint_dir / "step-000002" / "meta.json").read_text())
+        assert len(meta["acked_entries"]) == 2 * GROUPS
 
         with open(tmp_path / "b2.log", "w") as log:
             assert _learner(path_b, log).wait(timeout=600) == 0, (tmp_path / "b2.log").read_text()[-3000:]
