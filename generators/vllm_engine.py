@@ -124,6 +124,33 @@ def append_delta(s: SampleOut, c, version: int) -> None:
         s.finish_reason = c.finish_reason
 
 
+def engine_args(cfg: Config, model_path: str, on_cpu: bool) -> dict:
+    """vLLM's engine arguments from the generator's settings; `generator.vllm_kwargs` applied last."""
+    g = cfg.generator
+    kwargs = dict(
+        model=model_path,
+        dtype=g.dtype,
+        seed=cfg.run.seed,
+        max_model_len=g.max_model_len,
+        enforce_eager=g.enforce_eager,
+        enable_prefix_caching=g.enable_prefix_caching,
+        tensor_parallel_size=g.tensor_parallel_size,
+        gpu_memory_utilization=g.gpu_memory_utilization,
+        # Behaviour log-probs after temperature/top-p/top-k: the distribution actually sampled from.
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="generators.worker_extension.AsyncRLWorkerExtension",
+        disable_log_stats=True,
+    )
+    if not g.torch_compile and not g.enforce_eager:
+        kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL"}
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * 2**30)
+    elif g.kv_cache_memory_gb:
+        kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_memory_gb * 2**30)
+    kwargs.update({k: v for k in ("max_num_seqs", "max_num_batched_tokens") if (v := getattr(g, k))})
+    return {**kwargs, **g.vllm_kwargs}
+
+
 class VllmEngine:
     def __init__(self, cfg: Config, model_path: str):
         on_cpu = import_vllm(cfg)
@@ -131,26 +158,7 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        g = cfg.generator
-        kwargs = dict(
-            model=model_path,
-            dtype=g.dtype,
-            seed=cfg.run.seed,
-            max_model_len=g.max_model_len,
-            enforce_eager=g.enforce_eager,
-            enable_prefix_caching=g.enable_prefix_caching,
-            tensor_parallel_size=g.tensor_parallel_size,
-            gpu_memory_utilization=g.gpu_memory_utilization,
-            # Behaviour log-probs after temperature/top-p/top-k: the distribution actually sampled from.
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="generators.worker_extension.AsyncRLWorkerExtension",
-            disable_log_stats=True,
-        )
-        if on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * 2**30)
-        elif g.kv_cache_memory_gb:
-            kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_memory_gb * 2**30)
-        kwargs.update({k: v for k in ("max_num_seqs", "max_num_batched_tokens") if (v := getattr(g, k))})
+        kwargs = engine_args(cfg, model_path, on_cpu)
         self._init_sleep(cfg, on_cpu)
         if self.sleep_mode:  # vLLM's sleep mode needs its memory pool from the start
             kwargs["enable_sleep_mode"] = True
@@ -159,7 +167,7 @@ class VllmEngine:
         # The batch sizes of vLLM's offline `LLM` for this device where the config leaves them at 0:
         # the engine's own default (128 sequences, 2048 tokens a step) cuts a step's samples into waves.
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
-        self.num_workers = g.tensor_parallel_size
+        self.num_workers = cfg.generator.tensor_parallel_size
         sched = self.engine.vllm_config.scheduler_config
         log.info("vLLM engine up in %.1fs (model=%s, cpu=%s, max_num_seqs=%d, max_num_batched_tokens=%d)",
                  time.perf_counter() - t0, model_path, on_cpu, sched.max_num_seqs, sched.max_num_batched_tokens)
