@@ -2,7 +2,7 @@
 `vllm` (generators/vllm_engine.py) and `hf` (generators/hf_engine.py), are chosen by
 `generator.backend` in generators/backends.py.
 
-The generator process (generators/main.py) uses nothing of an engine beyond this interface.
+The generator process (generators/main.py and the parts it ties) uses nothing of an engine beyond this interface.
 """
 
 from __future__ import annotations

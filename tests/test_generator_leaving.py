@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.launch.redis_server import LocalRedis
 from asyncrl.protocol.keys import PROMPT_GROUP
-from generators.main import LEAVE_MARGIN_S
+from generators.leave import LEAVE_MARGIN_S
 from tests.buffer_support import wait_for
 from tests.gen_support import perturbed_state
 from tests.test_generator_process import _gen_info, _learner_side, _push_v1

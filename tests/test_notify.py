@@ -14,7 +14,8 @@ from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, aconnect, connect
 from asyncrl.protocol.notify import AsyncNotifications
 from asyncrl.protocol.store import set_and_notify
-from generators.main import WEIGHTS_FALLBACK_S, Generator
+from generators.main import Generator
+from generators.weights import WEIGHTS_FALLBACK_S
 from tests.buffer_support import buffer_cfg, start_thread, wait_for
 
 POLL_PERIOD_S = 0.05  # a polling loop's period: the latency that a notification must beat
