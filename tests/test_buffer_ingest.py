@@ -8,7 +8,8 @@ import zmq
 from asyncrl.protocol import schema, security
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys
 from asyncrl.protocol.store import LEARNER_GROUP
-from buffers.service import BufferService, admission_budget, admission_version
+from buffers.prompts import admission_budget, admission_version
+from buffers.service import BufferService
 from tests.helpers import make_group
 
 

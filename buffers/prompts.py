@@ -1,0 +1,134 @@
+"""The buffer's prompt side: prompt groups released to the `prompts` stream under the admission rule
+(staleness bounded by construction), and prompts whose lease expired (their generator died)
+released again after `buffer.lease_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from asyncrl.config import Config
+from asyncrl.modes import admission_staleness
+from asyncrl.protocol import schema, store
+from asyncrl.protocol.fleet import admitted, read_fleet
+from asyncrl.protocol.keys import PROMPT_GROUP, Keys, log_event
+from asyncrl.protocol.notify import publish
+from asyncrl.protocol.store import group_lag
+from asyncrl.tasks.synthetic import PromptRecord, iter_epochs
+from buffers.gauges import Counters
+
+log = logging.getLogger("buffers.service")  # the buffer's records keep the one name they have always had
+
+RECLAIMER = "buffer-reclaim"
+RELEASE_BACKLOG_S = 0.05  # how often a release held back by buffer.prompt_backlog is tried again
+
+
+def admission_budget(version: int, max_staleness: int, groups_per_step: int, dropped_groups: int) -> int:
+    """How many prompt groups may have been released in total at learner `version`.
+
+    The AReaL rule: a group released now is trained at the latest `max_staleness` versions later,
+    because no more than (max_staleness + 1) steps' worth of groups is ever outstanding. Groups the
+    learner dropped (stale, or zero-variance) are added back so the pipe never starves.
+    """
+    return (version + max_staleness + 1) * groups_per_step + dropped_groups
+
+
+def admission_version(learner_version: int, fleet: dict, admit) -> int:
+    """The version the admission budget counts from: the learner's, or the lowest held by a generator
+    that takes prompts, whichever is lower.
+
+    A prompt released now starts on the weights its generator holds, not the learner's: released at
+    learner version v while a push of v is still on its way, it would start on v-1 and be two
+    versions behind by the time the learner reaches it, and be dropped as stale. Counting from the
+    generators' version releases the next batch's prompts only once the weights they start on have
+    landed. Generators holding no version (joining, or after a failed sync), draining ones and ones
+    without a valid run token are left out; with none left the learner's version counts."""
+    held = [hb.version for hb in fleet.values() if hb.version >= 0 and hb.state != "draining" and admit(hb)]
+    return min([learner_version, *held])
+
+
+class PromptFeed:
+    """The prompt side over the run's Redis `client`: `rows`, the task's training rows in release order."""
+
+    def __init__(self, cfg: Config, client, keys: Keys, rows: list[PromptRecord], counters: Counters):
+        self.cfg, self.client, self.keys, self.rows, self.counters = cfg, client, keys, rows, counters
+        self.backlog_bound = False  # the last release was held back by buffer.prompt_backlog
+
+    def release(self) -> int:
+        """Releases prompts up to the admission budget and the backlog cap; returns how many."""
+        cfg, client, keys = self.cfg, self.client, self.keys
+        version = int(client.get(keys.version) or 0)
+        dropped = int(client.hget(keys.learner, "dropped_groups") or 0)
+        cursor = {k.decode(): int(v) for k, v in client.hgetall(keys.cursor).items()}
+        budget = self._budget(version, dropped, cursor["released"])
+        backlog = group_lag(client, keys.prompts, PROMPT_GROUP)
+        num = min(budget - cursor["released"], cfg.buffer.prompt_backlog - backlog)
+        self.backlog_bound = cfg.buffer.prompt_backlog - backlog < budget - cursor["released"]
+        if num <= 0:
+            return 0
+        it = iter_epochs(self.rows, cfg.run.seed, cursor["epoch"], cursor["index"])
+        now = time.time()
+        epoch, index = cursor["epoch"], cursor["index"]
+        frames = []
+        for _ in range(num):
+            epoch, index, row = next(it)
+            task = schema.PromptTask(schema_version=schema.SCHEMA_VERSION, group_id=f"{row.prompt_id}@e{epoch}",
+                                     prompt_id=row.prompt_id, prompt=row.prompt, answer=row.answer,
+                                     released_at=now)
+            frames.append(schema.encode(task))
+        index += 1
+        if index >= len(self.rows):
+            epoch, index = epoch + 1, 0
+        # The cursor moves in the same script as the XADDs, and only if nobody moved it meanwhile:
+        # a crash releases all of them or none, a retried call or a second buffer none twice.
+        if not store.release_prompts(client, keys, cursor["released"], epoch, index, frames):
+            log.warning("prompt cursor moved under us (another buffer instance?): release skipped")
+            return 0
+        publish(client, keys, "prompts")  # sync-mode generators read the prompt stream without blocking
+        return num
+
+    def _budget(self, version: int, dropped: int, released: int) -> int:
+        """The admission budget at learner `version` with `dropped` groups dropped by the learner and
+        `released` prompts released so far."""
+        cfg = self.cfg
+        # run.mode=sync: staleness 0, exactly learner.batch_groups prompts per version (asyncrl/modes.py).
+        staleness, per_step = admission_staleness(cfg), cfg.learner.batch_groups
+        budget = admission_budget(version, staleness, per_step, dropped)
+        # The fleet can only lower the budget: read it only when the learner's would release some.
+        # (sync: generators start a group only on the learner's version.)
+        if cfg.run.mode != "sync" and budget > released:
+            version = admission_version(version, read_fleet(self.client, self.keys), lambda hb: admitted(cfg, hb)[0])
+            budget = admission_budget(version, staleness, per_step, dropped)
+        return budget
+
+    def reclaim(self) -> int:
+        """Re-releases prompts whose lease expired (their generator died); same group_id, so dedupe holds."""
+        min_idle_ms = int(self.cfg.buffer.lease_timeout_s * 1000)
+        claimed = self.client.xautoclaim(self.keys.prompts, PROMPT_GROUP, RECLAIMER, min_idle_ms,
+                                         start_id="0-0", count=100, justid=True)
+        if not claimed:
+            return 0
+        num = store.requeue_prompts(self.client, self.keys, claimed)
+        self.counters.count("reclaims", num)
+        log_event(self.client, self.keys, "reclaim", num=num)
+        log.warning("reclaimed %d prompts whose lease expired", num)
+        return num
+
+    def wait_reason(self) -> str:
+        """What the buffer waits on when no group arrives: the learner (the admission budget is spent) or
+        the generators (asyncrl/observe/selfwatch.py reports it)."""
+        client, keys = self.client, self.keys
+        version = int(client.get(keys.version) or 0)
+        dropped = int(client.hget(keys.learner, "dropped_groups") or 0)
+        released = int(client.hget(keys.cursor, "released") or 0)
+        budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
+        backlog = group_lag(client, keys.prompts, PROMPT_GROUP)
+        leased = int(client.xpending(keys.prompts, PROMPT_GROUP)["pending"])
+        fleet = read_fleet(client, keys)
+        states = ", ".join(f"{g}={hb.state}@v{hb.version}" for g, hb in sorted(fleet.items())) or "none live"
+        if backlog == 0 and leased == 0 and released >= budget:
+            return (f"waiting for the learner: the admission budget is spent ({released} prompts released of "
+                    f"{budget} at learner version {version}) and no prompt is out; generators: {states}")
+        return (f"waiting for generators: no group arrived although {leased} prompts are leased and {backlog} "
+                f"wait to be leased ({released} released, learner at version {version}); generators: {states}")
