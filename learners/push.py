@@ -25,6 +25,7 @@ from asyncrl.observe import timeline
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, log_event
 from asyncrl.protocol.store import set_and_notify
+from asyncrl.protocol.transports import TRANSPORTS
 from asyncrl.protocol.weight_sync import (
     WeightSender,
     checksum_mode,
@@ -152,7 +153,7 @@ class Pusher:
         if (frame := self.client.get(self.keys.wgroup)) is not None:
             epoch0 = decode_stored(frame, schema.GroupEpoch, "the last weight-group epoch").epoch
         host = cfg.deploy.bind_host
-        if cfg.weights.backend in ("nccl", "ipc") and not self.cuda:
+        if (t := TRANSPORTS.get(cfg.weights.backend)) is not None and t.on_cuda and not self.cuda:
             raise ConfigError(f"weights.backend={cfg.weights.backend} needs the learner on CUDA; this one runs on "
                               "the CPU (weights.backend=auto or gloo)")
         # Each epoch's backend: auto takes ipc when every member shares this node (and CUDA), else NCCL.
@@ -188,8 +189,8 @@ class Pusher:
             return time.perf_counter() - t0
         checksum = checksum_mode(self.cfg.weights.checksum, self.sender.backend)
         # gloo moves host memory: on CUDA the buckets are packed on the CPU (one copy out of the GPU);
-        # NCCL and ipc pack on the GPU.
-        send_dev = self.device if self.sender.backend in ("nccl", "ipc") else torch.device("cpu")
+        # NCCL and ipc (transports on CUDA) pack on the GPU.
+        send_dev = self.device if self.sender.transport.on_cuda else torch.device("cpu")
         if not self.overlap:
             self._push_now(version, tensors, checksum, send_dev)
         else:

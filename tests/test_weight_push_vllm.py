@@ -65,7 +65,8 @@ def _dying_sender(epochs, go):
                                     buckets=buckets, announced_at=time.time())
     go.put(schema.encode(ann))
     it = pack_buckets(buckets, iter(tensors.items()), torch.device("cpu"))
-    from asyncrl.protocol.weight_sync import _start_broadcast, _wait
+    from asyncrl.protocol.transports.collective import start_broadcast as _start_broadcast
+    from asyncrl.protocol.transports.collective import wait_work as _wait
 
     _wait(_start_broadcast(sender.pg, next(it), 60), 60)
     os._exit(9)

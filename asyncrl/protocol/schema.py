@@ -13,8 +13,8 @@ import sys
 import msgspec
 import numpy as np
 
-# 2: every weight broadcast ends in an all-reduce that each member joins (asyncrl/protocol/weight_sync.py
-# `_all_received`). Generators report theirs in their heartbeat; the learner leaves generators of
+# 2: every weight broadcast ends in an all-reduce that each member joins (asyncrl/protocol/transports/collective.py
+# `all_received`). Generators report theirs in their heartbeat; the learner leaves generators of
 # another version out of its weight groups (asyncrl/protocol/fleet.py `admitted`).
 SCHEMA_VERSION = 2
 # 3: a trajectory group of multi-turn episodes (docs/agentic.md). Its samples carry a loss mask (the
@@ -153,7 +153,7 @@ class WeightAnnouncement(msgspec.Struct, tag="weight_announcement"):
     epoch: int
     buckets: list[Bucket]
     announced_at: float
-    checksum: str = "full"  # how both ends checksum each bucket (asyncrl/protocol/weight_sync.py bucket_checksum)
+    checksum: str = "full"  # how both ends checksum each bucket (asyncrl/protocol/weight_buckets.py bucket_checksum)
 
 
 class GroupEpoch(msgspec.Struct, tag="group_epoch"):
@@ -172,7 +172,7 @@ class IpcExport(msgspec.Struct, tag="ipc_export"):
     """weights.backend=ipc: where one version's buckets are, as a CUDA IPC handle of the learner's flat
     bucket buffer (torch's tensor reduction, its fields spelled out: no pickle). Written for each member
     to the epoch's store (`ipc/{version}/{member}`); a member opens it, reads the buckets at
-    `weight_sync.flat_offsets`, loads them and confirms (`done/{version}/{member}`)."""
+    `weight_buckets.flat_offsets`, loads them and confirms (`done/{version}/{member}`)."""
 
     schema_version: int
     version: int
