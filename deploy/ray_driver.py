@@ -1,4 +1,5 @@
-"""The Ray job's entry point (`asyncrl submit ray` submits it): see asyncrl/launch/deploy_ray.py."""
+"""The Ray job's entry point from a checkout, as `python -m asyncrl.launch.deploy_ray driver` is from
+anywhere asyncrl is installed (`asyncrl submit ray` submits the latter): see asyncrl/launch/deploy_ray.py."""
 
 import sys
 from pathlib import Path

@@ -15,6 +15,7 @@ from asyncrl.launch.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parent.parent
 RAY = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
 
 
@@ -40,12 +41,14 @@ def test_submit_ray_runs_to_completion_and_survives_a_killed_generator(ray_head,
     dashboard, gcs = ray_head
     name = "ray1"
     run_dir = tmp_path / "runs" / name
-    argv = [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
+    # Submitted from a directory outside the checkout with a relative run.dir: every role runs where the
+    # run was submitted from, so the run folder is there.
+    argv = [sys.executable, "-m", "asyncrl", "submit", "ray", str(REPO / "configs" / "tiny.yaml"), "run.dir=runs",
             f"model.path={tiny_model}", f"run.name={name}", "run.max_steps=24", "learner.nproc=1",
             "generator.kv_cache_gb=0.5", "generator.cpu_threads=1", "run.stall_timeout_s=0",
             "--address", dashboard, "--generators", "1", "--cpus-per-role", "0.25"]
     log = open(tmp_path / "submit.log", "w")
-    submit = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    submit = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 900
         while len(_rows(run_dir)) < 2:
@@ -83,6 +86,7 @@ def test_submit_ray_runs_to_completion_and_survives_a_killed_generator(ray_head,
     assert any(g.startswith("g0r") for r in rows for g in r["generators_in_batch"]), rows
     out = (tmp_path / "submit.log").read_text()
     assert "[gen-g0] started" in out and "learner exited with 0" in out  # the driver's log, streamed back
+    assert "-m asyncrl.launch.deploy_ray driver" in out  # the installed package's driver, not a checkout's file
     # The restarted actor spawned a second generator process with the same id.
     assert out.count("[gen-g0] started") >= 2, out[-5000:]
 

@@ -1,8 +1,9 @@
-"""`asyncrl submit ray`: the run as a Ray job; the driver (deploy/ray_driver.py) lives here.
+"""`asyncrl submit ray`: the run as a Ray job; the driver lives here too.
 
-`submit_ray` runs `ray job submit --address ADDR -- python deploy/ray_driver.py CONFIG ...`, which
-streams the job's logs until it ends (the repository and the run directory are on a filesystem all
-Ray nodes share, as with Slurm). The driver:
+`submit_ray` runs `ray job submit --address ADDR -- python -m asyncrl.launch.deploy_ray driver CONFIG ...`,
+which streams the job's logs until it ends (the Python environment and the run directory are on a
+filesystem all Ray nodes share, as with Slurm; the roles run in the directory the run was submitted
+from, so a config's relative paths mean what they meant there). The driver:
 - places each role with a placement group: the core (Redis + buffer, asyncrl/launch/deploy_core.py), the
   learner (one bundle per node, STRICT_SPREAD, a torchrun per bundle), one group per generator;
 - runs each role's ordinary entry point as a subprocess of a `RoleActor`, whose output goes to
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+IMPORT_ROOT = Path(__file__).resolve().parents[2]  # the folder asyncrl is imported from: a checkout or site-packages
 NAMESPACE = "asyncrl"
 
 
@@ -81,14 +82,14 @@ def submit_ray(cfg, address: str, num_generators: int, cpus_per_role: float = 1.
     argv = [exe, "job", "submit", "--address", address, "--submission-id", f"asyncrl-{cfg.run.name}-{int(time.time())}"]
     if not wait:
         argv.append("--no-wait")
-    argv += ["--", sys.executable, str(REPO / "deploy" / "ray_driver.py"), str(config_path),
-             "--generators", str(num_generators), "--cpus-per-role", str(cpus_per_role),
+    argv += ["--", sys.executable, "-m", "asyncrl.launch.deploy_ray", "driver", str(config_path),
+             "--cwd", os.getcwd(), "--generators", str(num_generators), "--cpus-per-role", str(cpus_per_role),
              "--gpus-per-node", str(gpus_per_node), "--learner-nodes", str(learner_nodes)]
     for role, extra in (resources or {}).items():
         if extra:
             argv += [f"--{role}-resources", json.dumps(extra)]
     print("asyncrl submit ray:", " ".join(argv), file=sys.stderr, flush=True)
-    res = subprocess.run(argv, cwd=REPO)
+    res = subprocess.run(argv)
     return res.returncode
 
 
@@ -102,10 +103,10 @@ def _role_actor_class():
     class RoleActor:
         """Runs one role's entry point as a subprocess; dies with it never silently (poll() says)."""
 
-        def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+        def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: str):
             import ray
 
-            self.name, self.argv, self.env = name, argv, env
+            self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
             self.proc = None
             # Every process of the role (its children too: torchrun's ranks, which torch starts in
             # sessions of their own, the core's redis-server) carries this tag; a reaper outside
@@ -131,7 +132,7 @@ def _role_actor_class():
                 ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
             self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
-                                         cwd=str(REPO), preexec_fn=die_with_actor)
+                                         cwd=self.cwd, preexec_fn=die_with_actor)
             print(f"[{self.name}] started pid {self.proc.pid}: {' '.join(self.argv)}", flush=True)
             return self.proc.pid
 
@@ -179,8 +180,8 @@ def start_reaper(watched_pid: int, tag: str) -> None:
     every process tagged `tag` (each leaves in its own bounded time), and SIGKILL to what is left
     after REAP_GRACE_S."""
     env = {k: v for k, v in os.environ.items() if k != ROLE_TAG}
-    subprocess.Popen([sys.executable, "-m", "asyncrl.launch.deploy_ray", "reap", str(watched_pid), tag], cwd=str(REPO),
-                     env={**env, "PYTHONPATH": str(REPO)}, start_new_session=True, stdin=subprocess.DEVNULL,
+    subprocess.Popen([sys.executable, "-m", "asyncrl.launch.deploy_ray", "reap", str(watched_pid), tag], cwd="/",
+                     env={**env, "PYTHONPATH": str(IMPORT_ROOT)}, start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -267,6 +268,7 @@ class RayDriver:
 
         self.ray = ray
         self.config_path = config_path
+        self.cwd = os.getcwd()  # where every role runs: the directory the run was submitted from (--cwd)
         self.cfg = load_config(config_path)
         self.cpus, self.gpus, self.learner_nodes = cpus_per_role, gpus_per_node, learner_nodes
         # role -> custom Ray resources of each of its bundles (`--{role}-resources`): which nodes may hold it
@@ -307,7 +309,7 @@ class RayDriver:
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
         return self.Actor.options(name=f"asyncrl-{self.cfg.run.name}-{name}", namespace=NAMESPACE,
                                   num_cpus=self.cpus, num_gpus=0, scheduling_strategy=strategy,
-                                  lifetime=None).remote(name, argv, env or {})
+                                  lifetime=None).remote(name, argv, env or {}, self.cwd)
 
     def _bundle_ip(self, pg, bundle: int = 0) -> str:
         """The address (as Ray knows it) of the node that holds bundle `bundle` of a ready placement group."""
@@ -481,8 +483,9 @@ def driver_main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    p = argparse.ArgumentParser(prog="deploy/ray_driver.py")
+    p = argparse.ArgumentParser(prog="python -m asyncrl.launch.deploy_ray driver")
     p.add_argument("config")
+    p.add_argument("--cwd", default="", help="the roles' working directory (default: the driver's)")
     p.add_argument("--generators", type=int, default=1)
     p.add_argument("--cpus-per-role", type=float, default=1.0)
     p.add_argument("--gpus-per-node", type=int, default=0)
@@ -490,6 +493,8 @@ def driver_main(argv: list[str] | None = None) -> int:
     for role in ROLES:
         p.add_argument(f"--{role}-resources", default="")
     args = p.parse_args(argv)
+    if args.cwd:  # the driver too: the run folder and every relative path of the config are read from there
+        os.chdir(args.cwd)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ray.init(address="auto", namespace=NAMESPACE, log_to_driver=True)
     driver = RayDriver(args.config, args.generators, args.cpus_per_role, args.gpus_per_node, args.learner_nodes,
@@ -506,3 +511,5 @@ def driver_main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["reap"]:  # start_reaper's process
     _reap(int(sys.argv[2]), sys.argv[3])
+elif __name__ == "__main__" and sys.argv[1:2] == ["driver"]:  # the Ray job's entry point (submit_ray)
+    sys.exit(driver_main(sys.argv[2:]))
