@@ -20,8 +20,8 @@ import operator
 import random
 import zlib
 
-from asyncrl.envs.base import Environment, StepResult, run_blocking
-from asyncrl.envs.tools import ToolCall, ToolCallError, parse_tool_call
+from asyncrl.envs.base import StepResult, run_blocking
+from asyncrl.envs.tools import ToolCall, ToolEnvironment
 from asyncrl.tasks.arith import arith_reward, operand_range
 from asyncrl.tasks.registry import Task
 from asyncrl.tasks.synthetic import EVAL_SEED_OFFSET, PromptRecord
@@ -96,16 +96,14 @@ def eval_rows(cfg) -> list[PromptRecord]:
     return _rows(cfg.eval.num_prompts, cfg.run.seed + EVAL_SEED_OFFSET, cfg, held_out=True)
 
 
-class CalculatorEnv(Environment):
+class CalculatorEnv(ToolEnvironment):
     system_prompt = SYSTEM_PROMPT
+    tools = TOOLS
 
-    async def step(self, assistant_text: str) -> StepResult:
-        call = parse_tool_call(assistant_text, TOOLS)
-        if call is None:
-            return StepResult(reward=arith_reward(assistant_text, self.row.answer), done=True)
-        if isinstance(call, ToolCallError):
-            return StepResult(observation=f"<error>{call.message}</error>", tool_errors=1)
-        assert isinstance(call, ToolCall)
+    def final_reward(self, assistant_text: str) -> float:
+        return arith_reward(assistant_text, self.row.answer)
+
+    async def call_tool(self, call: ToolCall) -> StepResult:
         try:
             value = await run_blocking(evaluate, call.argument)
         except ValueError as e:

@@ -12,9 +12,9 @@ reward (`\\boxed{}` or the last number, compared as a number); the episode ends 
 
 from __future__ import annotations
 
-from asyncrl.envs.base import Environment, StepResult
+from asyncrl.envs.base import StepResult
 from asyncrl.envs.sandbox import SandboxLimits, SandboxResult, run_python
-from asyncrl.envs.tools import ToolCallError, parse_tool_call
+from asyncrl.envs.tools import ToolCall, ToolEnvironment
 from asyncrl.tasks import prompts
 from asyncrl.tasks.math_reward import gsm8k_reward
 from asyncrl.tasks.registry import Task
@@ -38,15 +38,14 @@ def observation(result: SandboxResult) -> tuple[str, bool]:
     return f"<output>{result.stdout.strip()}</output>", False
 
 
-class PythonToolEnv(Environment):
+class PythonToolEnv(ToolEnvironment):
     system_prompt = SYSTEM_PROMPT
+    tools = TOOLS
 
-    async def step(self, assistant_text: str) -> StepResult:
-        call = parse_tool_call(assistant_text, TOOLS)
-        if call is None:
-            return StepResult(reward=gsm8k_reward(assistant_text, self.row.answer), done=True)
-        if isinstance(call, ToolCallError):
-            return StepResult(observation=f"<error>{call.message}</error>", tool_errors=1)
+    def final_reward(self, assistant_text: str) -> float:
+        return gsm8k_reward(assistant_text, self.row.answer)
+
+    async def call_tool(self, call: ToolCall) -> StepResult:
         result = await run_python(call.argument, SandboxLimits.from_config(self.cfg.env))
         text, failed = observation(result)
         return StepResult(observation=text, tool_calls=1, tool_errors=int(failed),

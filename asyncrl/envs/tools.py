@@ -17,6 +17,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from asyncrl.envs.base import Environment, StepResult
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -78,3 +80,26 @@ def _parse_json(body: str, closed: bool, tools: dict[str, str]) -> ToolCall | To
     if not isinstance(value, str) or not value.strip():
         return ToolCallError(f"{name} takes one argument, {tools[name]!r}, a non-empty string")
     return ToolCall(name, value.strip())
+
+
+class ToolEnvironment(Environment):
+    """An environment whose turns call tools until one answers: a turn with a call gets the tool's
+    observation (`call_tool`), a call that cannot be read gets an error observation and counts as a
+    tool error, and a turn without a call is the final answer, scored by `final_reward`; the episode
+    ends there. `tools`: each tool's name and the name of its one argument."""
+
+    tools: dict[str, str] = {}
+
+    def final_reward(self, assistant_text: str) -> float:
+        raise NotImplementedError
+
+    async def call_tool(self, call: ToolCall) -> StepResult:
+        raise NotImplementedError
+
+    async def step(self, assistant_text: str) -> StepResult:
+        call = parse_tool_call(assistant_text, self.tools)
+        if call is None:
+            return StepResult(reward=self.final_reward(assistant_text), done=True)
+        if isinstance(call, ToolCallError):
+            return StepResult(observation=f"<error>{call.message}</error>", tool_errors=1)
+        return await self.call_tool(call)
