@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.envs.base import Environment, Message, clip_observation
+from asyncrl.tasks.synthetic import PromptRecord
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,14 @@ class EpisodeOut:
     def add_other(self, ids: list[int]) -> None:
         """Tokens the policy did not sample: mask 0, log-prob 0.0, the version of the turn before."""
         self.add(ids, [0.0] * len(ids), [self.versions[-1]] * len(ids), policy=False)
+
+
+def episode_start(gen, task) -> tuple[PromptRecord, list[int]]:
+    """What an episode of a leased prompt or eval task starts from: the row its environment is made from,
+    and the prompt's token ids (the environment's system prompt, unless env.system_prompt replaces it)."""
+    row = PromptRecord(prompt_id=task.prompt_id, prompt=task.prompt, answer=task.answer)
+    system = gen.cfg.env.system_prompt or getattr(gen.env_factory, "system_prompt", "")
+    return row, gen.codec.prompt_ids(system, task.prompt)
 
 
 async def run_episode(engine, codec: TurnCodec, env: Environment, prompt_ids: list[int], version: Callable[[], int],

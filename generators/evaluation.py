@@ -17,8 +17,7 @@ from asyncrl.protocol import schema
 from asyncrl.tasks.data import encode_prompt
 from asyncrl.tasks.evaluation import EVAL_GROUP, eval_prompts_key, eval_results_key
 from asyncrl.tasks.rewards import is_correct
-from asyncrl.tasks.synthetic import PromptRecord
-from generators.episodes import run_episode
+from generators.episodes import episode_start, run_episode
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +118,7 @@ class EvalWorker:
         temperature (generators/episodes.py), each scored by its environment's summed reward and correct
         where that reward is at least 1; the same list as `_completions`."""
         gen = self.gen
-        row = PromptRecord(prompt_id=task.prompt_id, prompt=task.prompt, answer=task.answer)
-        system = gen.cfg.env.system_prompt or getattr(gen.env_factory, "system_prompt", "")
-        prompt_ids = gen.codec.prompt_ids(system, task.prompt)
+        row, prompt_ids = episode_start(gen, task)
         episodes = await asyncio.gather(*(
             run_episode(gen.engine, gen.codec, gen.env_factory(gen.cfg, row), prompt_ids, lambda: gen.version,
                         gen.episode_limits, temperature=t) for t in [0.0] + [None] * task.k))

@@ -10,6 +10,7 @@ import time
 
 from asyncrl.protocol import schema
 from asyncrl.tasks.data import encode_prompt
+from generators.episodes import episode_start, run_episode
 
 
 class GroupSampler:
@@ -58,13 +59,8 @@ class GroupSampler:
     async def _episodes(self, task: schema.PromptTask) -> schema.TrajectoryGroup:
         """generator.n episodes of the prompt's row, concurrently (each turn a request of its own to the
         engine, which batches them with every other episode's), as one group of schema version 3."""
-        from asyncrl.tasks.synthetic import PromptRecord
-        from generators.episodes import run_episode
-
         gen = self.gen
-        row = PromptRecord(prompt_id=task.prompt_id, prompt=task.prompt, answer=task.answer)
-        system = gen.cfg.env.system_prompt or getattr(gen.env_factory, "system_prompt", "")
-        prompt_ids = gen.codec.prompt_ids(system, task.prompt)
+        row, prompt_ids = episode_start(gen, task)
         episodes = await asyncio.gather(*(run_episode(gen.engine, gen.codec, gen.env_factory(gen.cfg, row), prompt_ids,
                                                       lambda: gen.version, gen.episode_limits)
                                           for _ in range(gen.cfg.generator.n)))
