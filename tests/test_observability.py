@@ -127,6 +127,30 @@ def test_watchdog_learner_waiting_on_generators_waiting_on_weights(redis_server)
     assert "waiting for data" in learner.reason and "g0=waiting_weights" in learner.reason
 
 
+def test_no_trajectory_names_the_generator_whose_heartbeat_is_gone_before_its_own_timeout(redis_server):
+    # The last group came before the generator's last beat: the no-trajectory clock runs out first.
+    # The stall must still name the generator, not only "generators", so a run ending on it says who.
+    import socket
+
+    cfg = _cfg(redis_server)
+    client, keys = connect(redis_server.url), Keys(cfg.run.name)
+    ensure_groups(client, keys)
+    timeout = cfg.run.stall_timeout_s
+    now = time.time()
+    client.xadd(keys.trajectories, {"data": b"x"}, id=f"{int((now - timeout - 5) * 1000)}-0")
+    client.xreadgroup("learner", "t", {keys.trajectories: ">"}, count=1)
+    wd = Watchdog(client, keys, cfg)
+    client.hset(keys.gen("g0"), mapping={"id": "g0", "state": "generating", "version": 1, "pid": 999999999,
+                                         "host": socket.gethostname(), "updated_at": now - timeout - 6})
+    wd.evaluate(now - timeout - 6)  # g0 seen holding a version
+    client.delete(keys.gen("g0"))  # its key expired
+    wd.seen["g0"]["updated_at"] = now - timeout + 3  # beat last 3 s inside the timeout
+    stalls = {(s.role, s.what): s for s in wd.evaluate(now)}
+    assert ("generators", "no_trajectory") in stalls
+    named = stalls[("generator:g0", "heartbeat")]
+    assert "expired" in named.reason and "no longer exists" in named.reason, named.reason
+
+
 def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -150,6 +150,7 @@ class Watchdog:
         if self.ready_at is not None:
             since = now - max(s["last_traj"] or 0.0, self.ready_at)
             if since > timeout and s["depth"] < batch:
+                stalls += self._suspects(s["live"], now, {st.role for st in stalls})
                 stalls.append(self._no_trajectory(s, since, states))
         stalls += self._no_step(s, now, timeout, states)
         stalls += self._no_sync(s, now, timeout)
@@ -174,6 +175,23 @@ class Watchdog:
             if now - self.started > max(timeout, 300.0):
                 stalls.append(Stall(f"generator:{gid}", "heartbeat", now - self.started,
                                     "never registered a heartbeat: it failed to start (see its log)"))
+        return stalls
+
+    def _suspects(self, live: dict, now: float, named: set[str]) -> list[Stall]:
+        """When no trajectory came for the timeout, the generators to blame before their own heartbeat
+        timeout runs out: those whose heartbeat key is gone, or whose process the OS reports stopped,
+        a zombie or gone. Without this a run ending on the first stall would name only "generators"."""
+        stalls = []
+        for gid, info in sorted(self.seen.items()):
+            if gid in self.left or f"generator:{gid}" in named:
+                continue
+            state = process_state(info)
+            if gid in live and not any(w in state for w in ("stopped", "zombie", "no longer exists")):
+                continue
+            age = now - (_f(info.get("updated_at"), self.started) or self.started)
+            why = ("its heartbeat key expired without a generator_leave: the process died or is frozen"
+                   if gid not in live else "its process is not running: it is frozen or dead")
+            stalls.append(Stall(f"generator:{gid}", "heartbeat", age, why + state))
         return stalls
 
     def _no_step(self, s: dict, now: float, timeout: float, states: str) -> list[Stall]:
