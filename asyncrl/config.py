@@ -330,6 +330,9 @@ class BufferConfig(Section):
     """every role retries a lost Redis (restart) this long before failing"""
     drain_timeout_s: Annotated[float, Positive] = 10.0
     """SIGTERM: the buffer is gone by then, Redis up or down"""
+    retain_trained_s: Annotated[float, NonNegative] = 3600.0
+    """trained (acked) trajectory groups older than this leave the trajectories stream, so Redis
+    memory stays flat on long runs (`asyncrl inspect` reads the newest); 0 keeps every group"""
     sampling: Literal["fifo", "newest", "replay"] = "fifo"
     """How the learner picks groups (learners/reader.py): oldest first; newest first within the
     staleness bound; or each group reused up to `replay_ratio` times within the staleness bound."""

@@ -13,11 +13,12 @@ from asyncrl.config import Config
 from asyncrl.observe.selfwatch import SelfWatch
 from asyncrl.protocol.fleet import read_fleet
 from asyncrl.protocol.keys import Keys
-from asyncrl.protocol.store import LEARNER_GROUP, group_lag, oldest_unacked_ms
+from asyncrl.protocol.store import LEARNER_GROUP, group_lag, oldest_unacked_ms, trim_trained
 
 log = logging.getLogger("buffers.service")  # the buffer's records keep the one name they have always had
 
 RCVHWM = 256  # frames queued in our PULL socket before ZeroMQ stops taking more from generators
+TRIM_EVERY_S = 30.0  # trained groups past `buffer.retain_trained_s` leave the stream this often
 
 
 class Counters(dict):
@@ -40,6 +41,7 @@ class Gauges:
         # Its own stall check, published with the metrics: no launcher needed.
         self.watch = SelfWatch("buffer", cfg.run.stall_timeout_s, client, keys)
         self._stored = 0  # groups stored or deduped when last looked: the buffer's progress
+        self._trimmed_at = 0.0
 
     def depth(self) -> int:
         return group_lag(self.client, self.keys.trajectories, LEARNER_GROUP)
@@ -83,6 +85,11 @@ class Gauges:
         depth = self.depth()
         oldest_ms = oldest_unacked_ms(client, keys.trajectories, LEARNER_GROUP)
         server_s, server_us = client.time()
+        retain_s = self.cfg.buffer.retain_trained_s
+        if retain_s > 0 and now - self._trimmed_at > TRIM_EVERY_S:
+            self._trimmed_at = now
+            cutoff_ms = int((server_s + server_us / 1e6 - retain_s) * 1000)
+            counters.count("trimmed", trim_trained(client, keys.trajectories, LEARNER_GROUP, cutoff_ms))
         oldest_age = 0.0 if oldest_ms is None else max(server_s + server_us / 1e6 - oldest_ms / 1000, 0.0)
         fields = {**counters, "depth": depth, "capacity": self.cfg.buffer.capacity, "full": int(self.full),
                   "groups_per_s": (groups - groups0) / dt, "bytes_per_s": (nbytes - bytes0) / dt,

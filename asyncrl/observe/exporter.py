@@ -55,6 +55,9 @@ BUFFER = [
     ("asyncrl_buffer_dedupes", "counter", "duplicate groups dropped", "dedupes"),
     ("asyncrl_buffer_reclaims", "counter", "prompts re-released after a lease expired", "reclaims"),
     ("asyncrl_buffer_full_pauses", "counter", "times ingest paused at capacity", "full_pauses"),
+    ("asyncrl_buffer_trimmed", "counter", "trained groups trimmed from the stream (`buffer.retain_trained_s`)",
+     "trimmed"),
+    ("asyncrl_buffer_stream_length", "gauge", "entries in the trajectories stream", "stream_len"),
 ]
 GENERATOR = [
     ("asyncrl_generator_version", "gauge", "policy version the generator holds (-1: none)", "version"),

@@ -117,6 +117,38 @@ def group_lag(client: redis.Redis, stream: str, group: str) -> int:
     return lag
 
 
+# Trims trained entries: those older than ARGV[1] (an id, "ms-0"), never one the group has not
+# been delivered or has not acked. MINID is the smallest of the age cutoff, the oldest pending id
+# and the last delivered id (kept itself: harmless). Atomic, so nothing is delivered in between.
+TRIM_TRAINED = """
+local function less(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local cut = ARGV[1]
+local delivered = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local f = {}
+  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+  if f['name'] == ARGV[2] then delivered = f['last-delivered-id'] end
+end
+if delivered == nil then return 0 end
+if less(delivered, cut) then cut = delivered end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[2])
+if pending[2] and less(pending[2], cut) then cut = pending[2] end
+return redis.call('XTRIM', KEYS[1], 'MINID', cut)
+"""
+
+
+def trim_trained(client: redis.Redis, stream: str, group: str, older_than_ms: int) -> int:
+    """Deletes the entries of `stream` that `group` has acked and that were added before
+    `older_than_ms` (server time, ms); returns how many. Undelivered and pending entries stay."""
+    return int(client.eval(TRIM_TRAINED, 1, stream, f"{max(int(older_than_ms), 0)}-0", group))
+
+
 def group_pending(client: redis.Redis, stream: str, group: str) -> int:
     return int(client.xpending(stream, group)["pending"])
 
