@@ -72,6 +72,7 @@ class Learner:
         torch.manual_seed(cfg.run.seed)
         self.parts = Parts(cfg, self.rank, self.world, self.device, init_device_mesh(self.device.type, (self.world,)))
         self.resumed_from, self.version, self.step = self.parts.resume()
+        self.checkpointed_step = self.step  # the step the newest checkpoint holds (or the start)
         # Rank 0's alone (the other ranks never talk to Redis): set by `_init_rank0`.
         self.client = self.keys = None
         self.fleet: Fleet | None = None
@@ -138,6 +139,8 @@ class Learner:
                 cmd, payload, entries = self.decide()
             cmd, payload = _bcast_bytes(payload, self.rank, cmd) if self.world > 1 else (cmd, payload)
             if cmd == STOP:
+                if self.cfg.checkpoint.every and self.checkpointed_step != self.step:
+                    self.save_checkpoint()  # stopped between checkpoints (`asyncrl stop`): lose no step
                 break
             if cmd == SYNC:
                 self.pusher.sync_weights(self.version)
@@ -211,6 +214,7 @@ class Learner:
             # The entries this checkpoint makes durable: a resume acks them again (learners/feed.py).
             meta["acked_entries"] = [e.decode() if isinstance(e, bytes) else str(e) for e in self.feed.unacked]
         path = self.parts.save(self.step, meta)
+        self.checkpointed_step = self.step
         # Only now is the update durable: ack the trajectories that shaped it.
         self._ack()
         if self.rank == 0:

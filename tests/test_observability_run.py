@@ -105,7 +105,7 @@ def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, 
     log = tmp_path / "launcher.log"
     argv = [sys.executable, "-m", "asyncrl", "run", f"run.dir={tmp_path / 'runs'}", "run.name=obs",
             f"run.max_steps={steps}", f"model.path={tiny_model}", "generator.num_generators=2",
-            "generator.kv_cache_gb=0.5", "logging.backends=[jsonl,wandb,tensorboard]"]
+            "generator.kv_cache_gb=0.5", "logging.backends=[jsonl,wandb,tensorboard]", "checkpoint.every=1000"]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -189,6 +189,9 @@ def test_observed_run_metrics_endpoints_status_wandb_tensorboard_plot(tmp_path, 
             proc.wait(timeout=120)
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # Stopped between checkpoints (every 1000 steps): the stop itself saved the last step.
+    (ckpt,) = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").exists()]
+    assert json.loads((ckpt / "meta.json").read_text())["step"] == steps, ckpt
     assert any(k.startswith("gen/g1/") for k in rows[-1]), "the fleet's metrics are in the step log"
 
     # ---- TensorBoard event files, read back ----
