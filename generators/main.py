@@ -116,7 +116,18 @@ class Generator:
         wsync = await self.redis.get(self.keys.wsync)
         if learner_version == 0 and wsync is None:
             self.version = 0
+        self._drain_on_signal()
         await self._open_outbox()
+
+    def _drain_on_signal(self) -> None:
+        """From here a signal drains (generators/leave.py) instead of ending the start-up (main())."""
+        from asyncrl.launch.leaving import Leaving
+
+        self.leaving = Leaving(f"generator {self.id}", "generator.drain_timeout_s", self.cfg.generator.drain_timeout_s,
+                               self.stopping.set, margin_s=LEAVE_MARGIN_S)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.leaving.on_signal, signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGINT, self.leaving.on_signal, signal.SIGINT)
 
     async def _open_outbox(self) -> None:
         """The ZeroMQ side and the first heartbeat: from here the fleet sees this generator."""
@@ -169,15 +180,8 @@ class Generator:
     # ---- the run -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from asyncrl.launch.leaving import Leaving
-
         self.auth_failure = None
         await self.start()
-        self.leaving = Leaving(f"generator {self.id}", "generator.drain_timeout_s", self.cfg.generator.drain_timeout_s,
-                               self.stopping.set, margin_s=LEAVE_MARGIN_S)
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.leaving.on_signal, signal.SIGTERM)
-        loop.add_signal_handler(signal.SIGINT, self.leaving.on_signal, signal.SIGINT)
         helpers = [asyncio.create_task(c) for c in (self.notes.run(), self.pulse.loop(), self.weights_loop(),
                                                     self.way_out.watch_stop_key(), self.outbox.run())]
         try:
@@ -193,7 +197,21 @@ class Generator:
             self.leaving.cancel()
 
 
+class _SignalledDuringStart(SystemExit):
+    """SIGTERM/SIGINT before the generator joined the fleet (engine start-up: model load, warm-up):
+    nothing of it is in the fleet yet, so it leaves at once, cleanly. A SystemExit, so that asyncio
+    lets it through from wherever the signal lands."""
+
+
+def _leave_during_start(signum, _frame) -> None:
+    raise _SignalledDuringStart(signal.Signals(signum).name)
+
+
 def main(cfg: Config, generator_id: str) -> None:
+    # Until run() installs the drain on the event loop, a signal ends the start-up (exit 0) instead
+    # of killing the process with it (-15) or a KeyboardInterrupt traceback.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _leave_during_start)
     try:
         import uvloop
 
@@ -211,6 +229,8 @@ def main(cfg: Config, generator_id: str) -> None:
         threads = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
         if leftover or threads:
             log.info("generator %s exits past leftover tasks=%s non-daemon threads=%s", generator_id, leftover, threads)
+    except _SignalledDuringStart as e:
+        log.info("generator %s: %s during start-up: left before joining the fleet", generator_id, e)
     except BaseException:  # noqa: BLE001 - printed in full, then a non-zero exit
         traceback.print_exc()
         code = 1

@@ -1,7 +1,7 @@
 """A real `asyncrl generator` process (vLLM CPU build) next to a real buffer process, with the test as
 the learner: a mismatching generator refuses to start; a generator started late holds no weights and
 generates nothing until it has received the current version; SIGTERM drains, hands back what it could
-not finish, and leaves cleanly."""
+not finish, and leaves cleanly; SIGTERM during the engine's start-up ends it at once, cleanly."""
 
 import json
 import signal
@@ -66,6 +66,15 @@ def test_generator_refusal_late_join_and_sigterm_drain(make_cfg, redis_server, t
         assert bad.wait(timeout=120) != 0
         assert "refuses to start" in procs.log("g-bad") and "generator.temperature=1.0" in procs.log("g-bad")
         assert not client.exists(keys.gen("gbad"))
+
+        # SIGTERM while its engine starts: it leaves at once and cleanly, having never joined the fleet.
+        early = procs.spawn("g-early", argv + ["--id", "gearly"])
+        assert wait_for(lambda: client.hexists(keys.timeline, "gearly engine start"), 120, 0.05), \
+            procs.log("g-early")[-3000:]
+        early.send_signal(signal.SIGTERM)
+        assert early.wait(timeout=30) == 0, procs.log("g-early")[-3000:]
+        assert "SIGTERM during start-up: left before joining the fleet" in procs.log("g-early")
+        assert not client.exists(keys.gen("gearly"))
 
         g0 = procs.spawn("g0", argv + ["--id", "g0"])
         assert wait_for(lambda: _gen_info(client, keys, "g0").get("state") == "waiting_weights", 180, 0.2), \
