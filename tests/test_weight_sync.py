@@ -429,3 +429,13 @@ def test_a_member_whose_heartbeat_expired_is_dropped_at_once_not_at_the_join_tim
     sums = sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
     assert results.get(timeout=60)[3] == sums
     p.join(timeout=30)
+
+
+def test_the_configs_backend_choices_are_the_transport_table():
+    import typing
+
+    from asyncrl.config import WeightsConfig
+    from asyncrl.protocol.transports import TRANSPORTS
+
+    choices = typing.get_args(WeightsConfig.model_fields["backend"].annotation)
+    assert set(choices) == {"auto", *TRANSPORTS}, "a transport added to the table is also a weights.backend choice"
