@@ -56,6 +56,7 @@ CONFIG = [
     "run.name=soak", "run.max_steps=1000000", "run.stall_timeout_s=120", "learner.batch_groups=8",
     "checkpoint.every=3", "checkpoint.keep=2", "buffer.lease_timeout_s=20", "generator.drain_timeout_s=30",
     "reward.function=benchmarks.chaos_reward:slow_copy", "generator.cpus=0", "learner.cpus=1", "buffer.cpus=0",
+    "buffer.retain_trained_s=0",  # the audit reads every stored group back from the trajectories stream
 ]
 
 
