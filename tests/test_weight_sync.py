@@ -2,6 +2,7 @@
 bucketed transfer with checksums equal on both ends."""
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -429,6 +430,101 @@ def test_a_member_whose_heartbeat_expired_is_dropped_at_once_not_at_the_join_tim
     sums = sender.broadcast(buckets, pack_buckets(buckets, iter(tensors.items()), torch.device("cpu")))
     assert results.get(timeout=60)[3] == sums
     p.join(timeout=30)
+
+
+def _survives_a_dead_peer(member_id, epochs, anns, up, results):
+    recv = WeightReceiver(member_id)
+    up.put(member_id)
+    for _ in range(2):  # the push a peer's death breaks, then the next epoch's
+        while not recv.join(epochs.get(timeout=60), timeout_s=30):
+            pass
+        ann = anns.get(timeout=60)
+        try:
+            for _ in recv.receive(ann, torch.device("cpu"), timeout_s=30):
+                pass
+            results.put(("received", time.time(), list(recv.checksums)))
+        except RuntimeError as e:
+            results.put((type(e).__name__, time.time(), str(e)))
+    # Its first epoch's receive is still posted inside gloo until its own timeout: a generator's
+    # process ends with os._exit (generators/main.py), not by waiting for it at interpreter exit.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _freezes_mid_transfer(member_id, epochs, anns, up):
+    import signal
+
+    recv = WeightReceiver(member_id)
+    up.put(member_id)
+    while not recv.join(epochs.get(timeout=60), timeout_s=30):
+        pass
+    ann = anns.get(timeout=60)
+    for i, _ in enumerate(recv.receive(ann, torch.device("cpu"), timeout_s=30)):
+        if i == 1:  # first bucket received: now freeze, as SIGSTOP or a hung host would
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_member_frozen_mid_push_holds_neither_the_learner_nor_the_others_for_the_timeout():
+    """A member frozen mid-push held the learner's send and every other member's receive for
+    weights.sync_timeout_s. Now the learner gives the push up once the member's heartbeat is gone
+    and marks the epoch given up; the others leave it at once and join the next epoch."""
+    import psutil
+
+    from asyncrl.protocol.weight_sync import SyncAbandoned
+
+    ctx = mp.get_context("spawn")
+    epochs, anns, up, results = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()], ctx.Queue(), ctx.Queue()
+    frozen = ctx.Process(target=_freezes_mid_transfer, args=("g0", epochs[0], anns[0], up))
+    survivor = ctx.Process(target=_survives_a_dead_peer, args=("g1", epochs[1], anns[1], up, results))
+    for p in (frozen, survivor):
+        p.start()
+    try:
+        up.get(timeout=60)
+        up.get(timeout=60)
+        sender = WeightSender("127.0.0.1", 0, "gloo", join_timeout_s=10, sync_timeout_s=30)
+
+        def publish(info):
+            for q in epochs:
+                q.put(info)
+
+        def alive():  # the fleet as the learner sees it: a stopped process's heartbeat has expired
+            return [m for m, p in (("g0", frozen), ("g1", survivor))
+                    if p.is_alive() and psutil.Process(p.pid).status() != psutil.STATUS_STOPPED]
+
+        assert sender.open_epoch(["g0", "g1"], publish, lambda *a, **k: None, alive=alive) == ["g0", "g1"]
+        big = {f"t{i}": torch.randn(512, 512) for i in range(16)}
+        buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in big.items()], bucket_bytes=256 * 1024)
+        ann = WeightAnnouncement(schema_version=SCHEMA_VERSION, version=1, epoch=sender.epoch, buckets=buckets,
+                                 announced_at=time.time())
+        for q in anns:
+            q.put(ann)
+        t0 = time.monotonic()
+        with pytest.raises(SyncAbandoned, match="g0 left the fleet mid-push"):
+            sender.broadcast(buckets, pack_buckets(buckets, iter(big.items()), torch.device("cpu")))
+        assert time.monotonic() - t0 < 10, f"the learner's send was held {time.monotonic() - t0:.1f}s"
+        dropped_at = time.time()
+        sender.drop_group()
+        kind, at, why = results.get(timeout=30)
+        assert kind == SyncAbandoned.__name__ and "gave this epoch up" in why, (kind, why)
+        assert at - dropped_at < 3, f"the survivor left the broken epoch {at - dropped_at:.1f}s after the learner"
+        # The next epoch, without the frozen member, carries the push at once.
+        t0 = time.monotonic()
+        assert sender.open_epoch(["g1"], epochs[1].put, lambda *a, **k: None, alive=alive) == ["g1"]
+        ann = WeightAnnouncement(schema_version=SCHEMA_VERSION, version=2, epoch=sender.epoch, buckets=buckets,
+                                 announced_at=time.time())
+        anns[1].put(ann)
+        sums = sender.broadcast(buckets, pack_buckets(buckets, iter(big.items()), torch.device("cpu")))
+        kind, _, got = results.get(timeout=60)
+        assert kind == "received" and got == sums
+        assert time.monotonic() - t0 < 5, f"the next epoch's push took {time.monotonic() - t0:.1f}s"
+        survivor.join(timeout=30)
+        assert survivor.exitcode == 0
+    finally:
+        for p in (frozen, survivor):
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=30)
 
 
 def test_the_configs_backend_choices_are_the_transport_table():

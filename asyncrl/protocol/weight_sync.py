@@ -29,7 +29,7 @@ from asyncrl.protocol import torch_private
 from asyncrl.protocol.schema import SCHEMA_VERSION, Bucket, GroupEpoch, WeightAnnouncement
 from asyncrl.protocol.tcpstore import master_store
 from asyncrl.protocol.transports import TRANSPORTS
-from asyncrl.protocol.transports.base import SyncTimeout, Transport
+from asyncrl.protocol.transports.base import SyncAbandoned, SyncTimeout, Transport
 from asyncrl.protocol.transports.ipc import IpcGroup, ipc_export, ipc_open
 from asyncrl.protocol.weight_buckets import (
     ALIGN,
@@ -50,7 +50,7 @@ from asyncrl.protocol.weight_buckets import (
 
 # Names of the bucket layer and the transports that callers have always imported from here.
 __all__ = ["ALIGN", "BACKENDS", "CHECKSUMS", "DIRECT_BYTES", "MASK64", "PIPELINE_DEPTH", "SAMPLE_STRIDE_WORDS",
-           "IpcGroup", "Staged", "SyncTimeout", "WeightReceiver", "WeightSender", "bucket_checksum", "bucket_mode",
+           "IpcGroup", "Staged", "SyncAbandoned", "SyncTimeout", "WeightReceiver", "WeightSender", "bucket_checksum", "bucket_mode",
            "checksum_mode", "choose_backend", "device_checksums", "dtype_name", "flat_offsets", "ipc_export",
            "ipc_open", "local_address_towards", "new_group", "pack_buckets", "plan_buckets", "to_dtype"]
 
@@ -133,6 +133,7 @@ class WeightSender:
         # Two flat buffers a version is staged in (`stage`): one being sent while the next is written.
         self._flats: list[torch.Tensor | None] = [None, None]
         self._stream = None  # NCCL sends of staged versions: a CUDA stream of their own
+        self.alive: Callable[[], list[str]] | None = None  # open_epoch's: members whose heartbeat is current
 
     @property
     def transport(self) -> Transport:
@@ -145,6 +146,7 @@ class WeightSender:
         that is no longer alive is dropped at once instead of at the join timeout."""
         members = sorted(members)
         self.pg = None
+        self.alive = alive
         if self.choose is not None:
             self.backend = self.choose(members)
         while True:
@@ -230,7 +232,22 @@ class WeightSender:
         assert self.pg is not None, "send without a group"
         return self.transport.send(self, buckets, staged, version)
 
+    def member_gone(self) -> str:
+        """Why a push to this epoch cannot finish ('' while every member is alive): asked between the
+        slices of a wait (asyncrl/protocol/transports/collective.py `wait_work`)."""
+        if self.alive is None or not self.members:
+            return ""
+        gone = sorted(set(self.members) - set(self.alive()))
+        return f"{', '.join(gone)} left the fleet mid-push (heartbeat expired)" if gone else ""
+
     def drop_group(self) -> None:
+        """After a failed push: the epoch is given up in its store, so that members still waiting in
+        it for bytes that will not come leave it at once (`WeightReceiver.epoch_given_up`)."""
+        if self.pg is not None:
+            try:
+                dist.PrefixStore(f"epoch/{self.epoch}", self.store).set("abandon", "1")
+            except Exception as e:  # noqa: BLE001 - members then wait out their own timeout, as before
+                log.warning("weight group epoch=%d: could not mark it given up (%s)", self.epoch, e)
         self.pg = None
         self.members = []
 
@@ -247,6 +264,7 @@ class WeightReceiver:
         self.epoch = -1
         self.pg = None
         self._store = None
+        self._epoch_store = None  # the joined epoch's keys in the learner's store
         # Host receive buffers handed out lately, newest last: `_buffer` takes one back once nothing
         # else refers to its storage. Bounded: between syncs at most this many buffers stay alive.
         self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=PIPELINE_DEPTH + 2)
@@ -279,11 +297,22 @@ class WeightReceiver:
         if (transport := TRANSPORTS.get(info.backend)) is not None:  # an unknown one: new_group says so
             transport.join()
         self.opened = {}  # a new epoch may come from a restarted learner: its handles are new
+        self._epoch_store = ps
         self.pg = new_group(dist.PrefixStore("pg", ps), rank, len(info.members) + 1, info.backend, timeout_s,
                             address=local_address_towards(info.addr, info.port))
         self.epoch = info.epoch
         self.backend = info.backend
         return True
+
+    def epoch_given_up(self) -> str:
+        """Why this member's epoch will send nothing more ('' while it may): the learner marked it
+        given up after a failed push, or its store is gone with it. Asked between wait slices."""
+        if self._epoch_store is None:
+            return ""
+        try:
+            return "the learner gave this epoch up" if self._epoch_store.check(["abandon"]) else ""
+        except Exception as e:  # noqa: BLE001 - the learner's store is gone: so is the learner
+            return f"the learner's store is unreachable ({type(e).__name__})"
 
     def receive(self, ann: WeightAnnouncement, device: torch.device, timeout_s: float,
                 ) -> Iterator[tuple[str, torch.Tensor]]:

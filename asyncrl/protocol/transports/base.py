@@ -23,10 +23,18 @@ class SyncTimeout(RuntimeError):
     """A member did not join or a broadcast did not finish within its timeout."""
 
 
+class SyncAbandoned(RuntimeError):
+    """A broadcast given up before its timeout: a member left the fleet mid-push (the learner's side),
+    or the learner gave the epoch up (a member's side), so nobody waits for bytes that cannot come."""
+
+
 class Transport:
     name = ""
     on_cuda = False  # buckets go from and into GPU memory: the learner and every member need CUDA
     checksum = "full"  # weights.checksum=auto's mode on this transport
+    # Whether its waits are taken in slices that look, between them, for a reason to give up
+    # (`collective.wait_work`): a member gone from the fleet, an epoch the learner gave up.
+    abandons = False
 
     def auto(self, cuda: bool, members_on_this_node: bool) -> bool:
         """Whether weights.backend=auto takes this transport (the table is asked in its order)."""

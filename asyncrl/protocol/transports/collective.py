@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.protocol.schema import Bucket, WeightAnnouncement
-from asyncrl.protocol.transports.base import SyncTimeout, Transport
+from asyncrl.protocol.transports.base import SyncAbandoned, SyncTimeout, Transport
 from asyncrl.protocol.weight_buckets import PIPELINE_DEPTH, bucket_checksum, bucket_mode, tensor_views
 
 log = logging.getLogger("asyncrl.protocol.weight_sync")  # the weight protocol's records keep their one name
@@ -27,12 +28,48 @@ def start_broadcast(pg, tensor: torch.Tensor, timeout_s: float):
     return pg.broadcast([tensor], opts)
 
 
-def wait_work(work, timeout_s: float, what: str = "broadcast") -> None:
-    if not work.wait(timedelta(seconds=timeout_s)):
-        raise SyncTimeout(f"{what} did not finish in {timeout_s}s")
+WAIT_SLICE_S = 0.5  # an abandoning wait looks for a reason to give up this often
 
 
-def all_received(pg, device: torch.device, timeout_s: float) -> None:
+_GIVEN_UP: list[tuple[list, tuple]] = []  # work of given-up waits, and what it uses, until it ends
+
+
+def keep_until_done(works, *keep) -> None:
+    """Holds still-posted work of a given-up wait, with its group and buffers (`keep`), until the
+    work ends at its own timeout: gloo's work, destroyed while posted, blocks the destroying thread
+    until then (which held a member out of the next epoch for the whole timeout)."""
+    _GIVEN_UP[:] = [(ws, k) for ws, k in _GIVEN_UP if not all(w.is_completed() for w in ws)]
+    _GIVEN_UP.append((list(works), keep))
+
+
+def wait_work(work, timeout_s: float, what: str = "broadcast", abandon: Callable[[], str] | None = None,
+              keep: tuple = ()) -> None:
+    """Waits for `work` up to `timeout_s`. With `abandon` (a transport whose work can be waited for in
+    slices: gloo's leaves a sliced-off wait pending), it is asked between slices and a non-empty answer
+    (why) gives the wait up at once: a member killed mid-push otherwise held every other member in
+    its receive, and the learner in its send, for the whole timeout (60 s by default). Given up, the
+    work is kept (`keep_until_done`) with `keep` (its group, its buffers)."""
+    if abandon is None:
+        if not work.wait(timedelta(seconds=timeout_s)):
+            raise SyncTimeout(f"{what} did not finish in {timeout_s}s")
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            work.wait(timedelta(seconds=max(min(WAIT_SLICE_S, left), 0.001)))
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the work's own failure (a peer's connection closed, say)
+        if why := abandon():
+            keep_until_done([work], *keep)
+            raise SyncAbandoned(f"{what} given up: {why}")
+        if left <= WAIT_SLICE_S:
+            raise SyncTimeout(f"{what} did not finish in {timeout_s}s")
+
+
+def all_received(pg, device: torch.device, timeout_s: float, abandon: Callable[[], str] | None = None) -> None:
     """The last step of a broadcast on every end: an all-reduce of one element, so that the
     learner's broadcast returns only once every member has every bucket.
 
@@ -46,7 +83,10 @@ def all_received(pg, device: torch.device, timeout_s: float) -> None:
     opts.reduceOp = dist.ReduceOp.SUM
     opts.timeout = timedelta(seconds=timeout_s)
     done = torch.ones(1, dtype=torch.int64, device=device)  # the buckets' device: NCCL's communicator
-    wait_work(pg.allreduce([done], opts), timeout_s, "the closing all-reduce (every member has every bucket)")
+    wait_work(pg.allreduce([done], opts), timeout_s, "the closing all-reduce (every member has every bucket)", abandon,
+              keep=(pg, done))
+
+
 
 
 class Collective(Transport):
@@ -66,6 +106,7 @@ class Collective(Transport):
         # the whole fleet at every bucket boundary.
         known, sums, in_flight = sums, [], collections.deque()  # `sums` given: taken already (at staging)
         device = self.home_device()
+        abandon = sender.member_gone if self.abandons else None
         for bucket, buf in zip(buckets, bucket_tensors, strict=True):
             device = buf.device
             assert buf.numel() == bucket.nbytes and buf.dtype == torch.uint8
@@ -74,11 +115,20 @@ class Collective(Transport):
                 sums.append(bucket_checksum(buf, bucket_mode(bucket, checksum)))
             in_flight.append((work, buf))  # a direct bucket is a parameter's own storage: keep it alive
             while len(in_flight) >= PIPELINE_DEPTH:  # frees the pool slot pack_buckets fills next
-                wait_work(in_flight.popleft()[0], sender.sync_timeout_s)
+                self._wait_oldest(sender, in_flight, abandon)
         while in_flight:
-            wait_work(in_flight.popleft()[0], sender.sync_timeout_s)
-        all_received(sender.pg, device, sender.sync_timeout_s)
+            self._wait_oldest(sender, in_flight, abandon)
+        all_received(sender.pg, device, sender.sync_timeout_s, abandon)
         return sums if known is None else known
+
+    @staticmethod
+    def _wait_oldest(sender, in_flight: collections.deque, abandon: Callable[[], str] | None) -> None:
+        work, buf = in_flight.popleft()
+        try:
+            wait_work(work, sender.sync_timeout_s, abandon=abandon, keep=(sender.pg, buf))
+        except SyncAbandoned:
+            keep_until_done([w for w, _ in in_flight], sender.pg, [b for _, b in in_flight])
+            raise
 
     def send(self, sender, buckets: list[Bucket], staged, version: int) -> list[int]:
         """The staged slot's buckets, broadcast as `broadcast` does."""
@@ -99,6 +149,7 @@ class Collective(Transport):
         # thread given up on) must not post onto a group joined since, nor add to a later list.
         pg, sums = receiver.pg, []
         receiver.checksums = sums
+        abandon = receiver.epoch_given_up if self.abandons else None
 
         def post(bucket):
             # A buffer per bucket, not one for the whole model: measured faster on CPU (one huge block
@@ -112,14 +163,20 @@ class Collective(Transport):
         posted = collections.deque(post(b) for b in ann.buckets[:PIPELINE_DEPTH])
         for i, bucket in enumerate(ann.buckets):
             buf, work = posted.popleft()
-            wait_work(work, timeout_s)
+            try:
+                wait_work(work, timeout_s, abandon=abandon, keep=(pg, buf))
+            except SyncAbandoned:
+                keep_until_done([w for _, w in posted], pg, [b for b, _ in posted])
+                if receiver.pg is pg:
+                    receiver.pg = None
+                raise
             if i + PIPELINE_DEPTH < len(ann.buckets):
                 posted.append(post(ann.buckets[i + PIPELINE_DEPTH]))
             sums.append(bucket_checksum(buf, bucket_mode(bucket, ann.checksum)))
             yield from tensor_views(buf, bucket)
         # Runs when the consumer asks past the last tensor: every caller drains the iterator.
         try:
-            all_received(pg, device, timeout_s)
+            all_received(pg, device, timeout_s, abandon)
         except (SyncTimeout, RuntimeError) as e:
             # Every bucket is here and checksummed: keep the weights (the learner counts this sync
             # as failed and verifies nothing of it). Another member failed the closing all-reduce, so

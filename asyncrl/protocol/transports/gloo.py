@@ -18,6 +18,7 @@ class Gloo(Collective):
     # (measured on 2 cores: sampled pushes took 5-38% less time than full ones,
     # benchmarks/results/weight_sync_cpu_sampled_2026-12-01.json).
     checksum = "sampled"
+    abandons = True  # a sliced-off wait stays pending (NCCL's wait only orders streams: not sliced)
 
     def auto(self, cuda: bool, members_on_this_node: bool) -> bool:
         return not cuda
