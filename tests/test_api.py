@@ -1,5 +1,6 @@
 """The Python API (asyncrl/api.py): configs by path or name with overrides, a reward from a module,
-a run started in the background, its metrics followed, the run stopped; and docs/api.md's example."""
+and docs/api.md's example run as written. A run started in the background, followed and stopped:
+tests/test_tasks.py, with a task of its own."""
 
 import os
 import re
@@ -66,30 +67,6 @@ def test_register_reward_names_a_module_function_and_puts_its_folder_on_the_path
     main.__module__ = "__main__"
     with pytest.raises(ConfigError, match="cannot import"):
         asyncrl.register_reward(cfg, main)
-
-
-@pytest.mark.slow
-def test_start_follow_stop_with_a_registered_reward(tmp_path, monkeypatch):
-    parity = _reward_module(tmp_path, monkeypatch)
-    monkeypatch.chdir(tmp_path)
-    cfg = asyncrl.register_reward(asyncrl.load(None, {"run.max_steps": 1000}), parity)
-    run = asyncrl.start(cfg)
-    rows = []
-    try:
-        for row in run.follow(timeout_s=600):
-            rows.append(row)
-            if len(rows) == 3:
-                break
-        assert len(rows) == 3, run.output()[-3000:]
-        assert run.stop() == 130  # as Ctrl-C: every role torn down
-    finally:
-        if run.running:
-            run.stop()
-    assert [row["step"] for row in rows] == [1, 2, 3]
-    # Scored by the registered function in the generator: its two values only.
-    assert all({row["reward_min"], row["reward_max"]} <= {0.25, 0.75} for row in rows), rows
-    assert "step=   3" in run.output()
-    assert run.metrics()[:3] == rows
 
 
 @pytest.mark.slow

@@ -19,8 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 RAY = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
+    """One real local Ray head with 2 CPUs for this file's runs (each has a run name of its own and
+    leaves no actor behind, which the teardown tests check)."""
     pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'asyncrl[ray]')")
     port, dash = free_port(), free_port()
     tmp = tmp_path_factory.mktemp("ray")
@@ -176,3 +178,18 @@ def test_ray_orderly_teardown_logs_no_error_and_leaves_nothing(ray_head, tmp_pat
     errors = [f"{n}: {line}" for n, text in logs.items() for line in text.splitlines() if " ERROR " in line]
     assert not errors, "\n".join(errors[:20])
     assert not _processes_of(str(run_dir), {os.getpid()}), "left behind by an orderly teardown"
+
+
+def test_submit_ray_asking_more_cpus_than_the_cluster_has_fails_fast_with_one_line(ray_head, tmp_path):
+    """A job the cluster cannot hold stops at once with one line saying what it needs and what the
+    cluster has, instead of waiting for its last placement group forever."""
+    dashboard, _ = ray_head
+    argv = [sys.executable, "-m", "asyncrl", "submit", "ray", "configs/tiny.yaml", f"run.dir={tmp_path / 'runs'}",
+            "run.name=toobig", "--address", dashboard, "--generators", "1", "--cpus-per-role", "1"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    lines = {x for x in out.splitlines() if "the run needs" in x}  # `ray job submit` repeats the job's log
+    assert len(lines) == 1 and "the run needs CPU=3; the cluster has CPU=2" in lines.pop(), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "runs" / "toobig" / "redis_url").exists(), "no role was started"

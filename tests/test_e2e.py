@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from asyncrl.config import dump_yaml
@@ -120,27 +119,3 @@ def test_separate_processes_two_generators_two_learner_ranks(tmp_path, tiny_mode
         for f in logs.values():
             f.close()
         redis.stop()
-
-
-@pytest.mark.slow
-def test_ctrl_c_tears_down_every_child(tmp_path, tiny_model):
-    run_dir = tmp_path / "runs" / "tiny"
-    launcher = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", f"run.dir={tmp_path / 'runs'}",
-                                 "run.max_steps=1000", f"model.path={tiny_model}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 600
-        while not _metrics(run_dir) and time.time() < deadline:
-            assert launcher.poll() is None, "the run died before its first step"
-            time.sleep(0.5)
-        assert _metrics(run_dir), "no step within the deadline"
-        tree = psutil.Process(launcher.pid).children(recursive=True)
-        assert len(tree) >= 4, "expected redis, buffer, generator (+ engine core) and learner (+ rank)"
-        launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=120) == 130
-        time.sleep(1.0)
-        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"orphans survived: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()

@@ -44,8 +44,14 @@ VARIANTS = {
     # With the one-GPU switches: one FSDP unit, no resharding, logits kept for the backward.
     "cispo_reinforcepp": ["algorithm.loss=cispo", "algorithm.advantage=reinforce_pp", "learner.shard_layers=false",
                           "learner.reshard_after_forward=false", "learner.keep_logits_gb=1"],
-    "mis_drgrpo": ["algorithm.loss=mis", "algorithm.advantage=dr_grpo", "algorithm.aggregation=seq_mean_token_sum"],
-    "tis_rppbaseline": ["algorithm.loss=tis", "algorithm.advantage=reinforce_pp_baseline"],
+    # With IS normalisation; tis also with sequence-level rejection sampling (a bound that random
+    # behaviour log-probs pass: the statistics are what is checked here, the rejection itself in
+    # tests/test_rollout_correction_run.py and the loss tests).
+    "mis_drgrpo": ["algorithm.loss=mis", "algorithm.advantage=dr_grpo", "algorithm.aggregation=seq_mean_token_sum",
+                   "algorithm.is_normalize=true"],
+    "tis_rppbaseline": ["algorithm.loss=tis", "algorithm.advantage=reinforce_pp_baseline",
+                        "algorithm.rollout_rs=[seq_max_k2]", "algorithm.rollout_rs_threshold=[50.0]",
+                        "algorithm.is_normalize=true", "algorithm.entropy_coef=0.01"],
     "ppo_dualclip_kl_loss_adaptive": ["algorithm.loss=ppo", "algorithm.dual_clip=3.0", "algorithm.kl_coef=0.05",
                                       "algorithm.kl_estimator=k3", "algorithm.kl_target=0.01",
                                       "learner.ppo_epochs=2", "learner.lr_schedule=cosine", "learner.warmup_steps=2"],
@@ -96,13 +102,26 @@ def test_every_algorithm_switch_trains(tmp_path, tiny_model, name):
         assert rows[0]["lr"] < rows[1]["lr"], "warm-up raises the learning rate"
     if cfg.algorithm.kl_target:
         assert rows[-1]["kl_coef"] != rows[0]["kl_coef"], "the adaptive controller moved"
+    # The off-policy diagnostics of every step, and those of the corrections switched on.
+    assert all(r["ess"] > 0 and r["is_weight_mean"] > 0 for r in rows)
+    if cfg.algorithm.is_normalize:
+        assert all(r["is_norm_factor"] > 0 for r in rows)
+        # The normaliser is the batch mean of the loss's IS weight: it moves with the data.
+        assert len({round(r["is_norm_factor"], 9) for r in rows}) > 1
+    if cfg.algorithm.rollout_rs:
+        assert all(0 <= r["rs_token_reject_frac"] <= 1 and 0 <= r["rs_seq_reject_frac"] <= 1 for r in rows)
+    else:
+        assert "rs_token_reject_frac" not in rows[0]
+    if cfg.algorithm.loss == "mis":
+        assert all(0 <= r["masked_frac"] <= 1 for r in rows)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp"])
+@pytest.mark.parametrize("advantage", ["reinforce_pp"])
 def test_world_size_2_makes_the_same_update_as_world_size_1(tmp_path, tiny_model, advantage):
-    """grpo: group baselines, local to each rank's whole groups; reinforce_pp: whitened over the
-    whole batch, so the ranks must sum its moments (asyncrl/algorithms/advantages.py whiten)."""
+    """reinforce_pp: whitened over the whole batch, so the ranks must sum its moments
+    (asyncrl/algorithms/advantages.py whiten); a group-local baseline (grpo) needs nothing of the
+    other rank and is the simpler case. The loss, the gradient norm and every weight agree."""
     from safetensors.torch import load_file
 
     common = ["checkpoint.export_hf=true", f"algorithm.advantage={advantage}"]

@@ -117,21 +117,33 @@ def test_register_task_names_the_module_and_checks_its_settings(my_tasks):
 
 
 @pytest.mark.slow
-def test_a_registered_task_runs_end_to_end(my_tasks, tmp_path, monkeypatch, tiny_model):
+def test_a_registered_task_runs_end_to_end_followed_and_stopped_from_python(my_tasks, tmp_path, monkeypatch,
+                                                                            tiny_model):
+    """The Python API end to end: a task of your own registered (its reward with it), the run
+    started in the background, its rows followed as they come, the run stopped as Ctrl-C does."""
     monkeypatch.chdir(tmp_path)
-    cfg = asyncrl.load(None, {"model.path": tiny_model, "run.max_steps": 2, "data.num_prompts": 64,
+    cfg = asyncrl.load(None, {"model.path": tiny_model, "run.max_steps": 1000, "data.num_prompts": 64,
                               "eval.every": 2, "eval.k": 0, "eval.before_train": False, "checkpoint.export_hf": False})
-    run = asyncrl.start(asyncrl.register_task(cfg, my_tasks.TASK))
+    cfg = asyncrl.register_task(cfg, my_tasks.TASK)
+    evaluations = cfg.run_dir / "eval.jsonl"
+    run = asyncrl.start(cfg)
+    rows = []
     try:
-        assert run.wait(timeout_s=400) == 0, run.output()[-3000:]
+        for row in run.follow(timeout_s=600):
+            rows.append(row)
+            if len(rows) >= 3 and evaluations.exists() and evaluations.read_text().strip():
+                break
+        assert len(rows) >= 3, run.output()[-3000:]
+        assert run.stop() == 130  # as Ctrl-C: every role torn down
     finally:
         if run.running:
             run.stop()
-    rows = run.metrics()
-    assert [row["step"] for row in rows] == [1, 2]
+    assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
+    assert f"step={len(rows):>4}" in run.output()
+    assert run.metrics()[:len(rows)] == rows
     # The buffer released the task's rows and the generator scored them with its reward (0.25 or 0.75
     # on a training row, 0 on anyone else's).
     assert all({row["reward_min"], row["reward_max"]} <= {0.25, 0.75} for row in rows), rows
     # The learner evaluated the task's three held-out rows (answer "held": 0.5), not eval.num_prompts of another set.
-    (evaluated,) = [json.loads(line) for line in (cfg.run_dir / "eval.jsonl").read_text().splitlines()]
+    evaluated = json.loads(evaluations.read_text().splitlines()[0])
     assert evaluated["eval/num_prompts"] == 3 and evaluated["eval/greedy_reward"] == 0.5, evaluated
