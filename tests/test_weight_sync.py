@@ -78,17 +78,22 @@ def test_group_forms_without_a_dead_member_and_transfers_buckets():
         assert p.exitcode == 0
 
 
-def _dies_mid_transfer(member_id, epochs, anns, up):
-    import os
+def _dies_mid_transfer(member_id, epochs, anns, up, freeze=False):
+    """Joins, then after the first bucket dies as kill -9 would, or with `freeze` stops itself as
+    SIGSTOP or a hung host would."""
+    import signal
 
     recv = WeightReceiver(member_id)
     up.put(member_id)
-    while not recv.join(epochs.get(timeout=60), timeout_s=20):
+    while not recv.join(epochs.get(timeout=60), timeout_s=30):
         pass
     ann = anns.get(timeout=60)
-    for i, _ in enumerate(recv.receive(ann, torch.device("cpu"), timeout_s=20)):
-        if i == 1:  # first bucket received: now die like kill -9 would
-            os._exit(9)
+    for i, _ in enumerate(recv.receive(ann, torch.device("cpu"), timeout_s=30)):
+        if i == 1:
+            if freeze:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                os._exit(9)
 
 
 def test_a_member_dying_mid_transfer_fails_the_broadcast_within_the_timeout():
@@ -452,19 +457,6 @@ def _survives_a_dead_peer(member_id, epochs, anns, up, results):
     os._exit(0)
 
 
-def _freezes_mid_transfer(member_id, epochs, anns, up):
-    import signal
-
-    recv = WeightReceiver(member_id)
-    up.put(member_id)
-    while not recv.join(epochs.get(timeout=60), timeout_s=30):
-        pass
-    ann = anns.get(timeout=60)
-    for i, _ in enumerate(recv.receive(ann, torch.device("cpu"), timeout_s=30)):
-        if i == 1:  # first bucket received: now freeze, as SIGSTOP or a hung host would
-            os.kill(os.getpid(), signal.SIGSTOP)
-
-
 def test_a_member_frozen_mid_push_holds_neither_the_learner_nor_the_others_for_the_timeout():
     """A member frozen mid-push held the learner's send and every other member's receive for
     weights.sync_timeout_s. Now the learner gives the push up once the member's heartbeat is gone
@@ -475,7 +467,7 @@ def test_a_member_frozen_mid_push_holds_neither_the_learner_nor_the_others_for_t
 
     ctx = mp.get_context("spawn")
     epochs, anns, up, results = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()], ctx.Queue(), ctx.Queue()
-    frozen = ctx.Process(target=_freezes_mid_transfer, args=("g0", epochs[0], anns[0], up))
+    frozen = ctx.Process(target=_dies_mid_transfer, args=("g0", epochs[0], anns[0], up, True))
     survivor = ctx.Process(target=_survives_a_dead_peer, args=("g1", epochs[1], anns[1], up, results))
     for p in (frozen, survivor):
         p.start()
