@@ -30,6 +30,12 @@ class Fleet:
         admits; each refusal is warned about once per generator and logged as an event."""
         return fleet_rules.live_members(self.read_fleet() if fleet is None else fleet, self.admission)
 
+    def present_members(self) -> list[str]:
+        """The weight-group members whose generator still has a heartbeat, draining ones included (a
+        drain keeps its generator in the push under way): a push gives up on a member only when it
+        is gone (`WeightSender.member_gone`)."""
+        return sorted(f"{hb.id}.{r}" for hb in self.read_fleet().values() for r in range(hb.workers))
+
     def needs_sync(self, sender: WeightSender, fleet: dict[str, schema.Heartbeat] | None = None) -> bool:
         """The live members differ from the group's, or a failed push dropped the group while members live."""
         live = set(self.live_members(fleet))

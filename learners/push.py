@@ -176,7 +176,8 @@ class Pusher:
             if set(members) != set(self.sender.members) or self.sender.pg is None:
                 self.finish_push()  # the push in flight belongs to the old group: it ends first
                 # `alive` re-reads the fleet while the epoch's members join
-                self.sender.open_epoch(members, self._publish_epoch, self._event, alive=self.fleet.live_members)
+                self.sender.open_epoch(members, self._publish_epoch, self._event, alive=self.fleet.live_members,
+                                       present=self.fleet.present_members)
             do_send[0] = 1 if self.sender.members else 0
         if self.world > 1:
             dist.broadcast(do_send, src=0)

@@ -133,20 +133,23 @@ class WeightSender:
         # Two flat buffers a version is staged in (`stage`): one being sent while the next is written.
         self._flats: list[torch.Tensor | None] = [None, None]
         self._stream = None  # NCCL sends of staged versions: a CUDA stream of their own
-        self.alive: Callable[[], list[str]] | None = None  # open_epoch's: members whose heartbeat is current
+        self.present: Callable[[], list[str]] | None = None  # open_epoch's: members that still have a heartbeat
 
     @property
     def transport(self) -> Transport:
         return TRANSPORTS[self.backend]
 
     def open_epoch(self, members: list[str], publish: Callable[[GroupEpoch], None],
-                   on_event: Callable[..., None], alive: Callable[[], list[str]] | None = None) -> list[str]:
+                   on_event: Callable[..., None], alive: Callable[[], list[str]] | None = None,
+                   present: Callable[[], list[str]] | None = None) -> list[str]:
         """Forms a group with as many of `members` as join in time; returns who is in it. `alive`
-        (the members whose heartbeat is current), asked every half second while waiting: a member
-        that is no longer alive is dropped at once instead of at the join timeout."""
+        (the members admitted to a new epoch), asked every half second while waiting: a member that
+        is no longer alive is dropped at once instead of at the join timeout. `present` (the members
+        with a heartbeat at all, draining ones included; `alive` when not given): a push to this
+        epoch gives up once a member is no longer present (`member_gone`)."""
         members = sorted(members)
         self.pg = None
-        self.alive = alive
+        self.present = present or alive
         if self.choose is not None:
             self.backend = self.choose(members)
         while True:
@@ -235,9 +238,9 @@ class WeightSender:
     def member_gone(self) -> str:
         """Why a push to this epoch cannot finish ('' while every member is alive): asked between the
         slices of a wait (asyncrl/protocol/transports/collective.py `wait_work`)."""
-        if self.alive is None or not self.members:
+        if self.present is None or not self.members:
             return ""
-        gone = sorted(set(self.members) - set(self.alive()))
+        gone = sorted(set(self.members) - set(self.present()))
         return f"{', '.join(gone)} left the fleet mid-push (heartbeat expired)" if gone else ""
 
     def drop_group(self) -> None:

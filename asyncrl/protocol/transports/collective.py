@@ -87,8 +87,6 @@ def all_received(pg, device: torch.device, timeout_s: float, abandon: Callable[[
               keep=(pg, done))
 
 
-
-
 class Collective(Transport):
     def home_device(self) -> torch.device:
         """The sender's device for the closing all-reduce when there is no bucket to take it from."""
