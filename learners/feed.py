@@ -128,7 +128,7 @@ class Feed:
         self.dropped_stale += dropped
 
     def stop_requested(self) -> bool:
-        """`stop_request` (set by `asyncrl stop` or a test): finish like at max_steps, cleanly."""
+        """`stop_request` (the Redis key, set by hand, a script or a test): finish like at max_steps, cleanly."""
         if time.monotonic() - self.last_stop_check < 1.0:
             return False
         self.last_stop_check = time.monotonic()

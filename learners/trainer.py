@@ -140,7 +140,7 @@ class Learner:
             cmd, payload = _bcast_bytes(payload, self.rank, cmd) if self.world > 1 else (cmd, payload)
             if cmd == STOP:
                 if self.cfg.checkpoint.every and self.checkpointed_step != self.step:
-                    self.save_checkpoint()  # stopped between checkpoints (`asyncrl stop`): lose no step
+                    self.save_checkpoint()  # stop_request between checkpoints: lose no step
                 break
             if cmd == SYNC:
                 self.pusher.sync_weights(self.version)
