@@ -112,22 +112,27 @@ class WayOut:
                 log.warning("generator %s leaves %d groups unconfirmed; their prompts will be reclaimed",
                             gen.id, len(gen.outbox))
         if gen.epoch >= 0:
-            await self.bounded("weight group leave", self._leave_weight_group(), self.left_s(LEAVE_RESERVE_S),
-                               lost_on_timeout=False)
+            # Its own deadline, inside the bound: the wait ends between Redis calls, not by a cancel
+            # landing inside one (a Redis call cancelled mid-flight was seen to hang the leave).
+            limit_s = self.left_s(LEAVE_RESERVE_S)
+            await self.bounded("weight group leave", self._leave_weight_group(max(limit_s - 1.0, 0.0)),
+                               limit_s, lost_on_timeout=False)
 
-    async def _leave_weight_group(self) -> None:
+    async def _leave_weight_group(self, limit_s: float) -> None:
         """A drained generator stays for broadcasts until the learner has re-formed the weight group
         without it (draining members are left out of the next epoch): leaving in the middle of a
         broadcast would fail that sync for the other members (their receive is atomic, so they keep
         their weights, but they wait for the next epoch). Bounded by weights.join_timeout_s: the
         learner drops a draining member at its next sync or fleet check, well within that."""
         gen = self.gen
-        deadline = time.monotonic() + gen.cfg.weights.join_timeout_s
+        deadline = time.monotonic() + min(gen.cfg.weights.join_timeout_s, limit_s)
         while gen.epoch >= 0 and time.monotonic() < deadline and not await gen.redis.exists(gen.keys.stop):
             frame = await gen.redis.get(gen.keys.wgroup)
             if not frame or not any(m.startswith(f"{gen.id}.") for m in schema.decode(frame, schema.GroupEpoch).members):
                 return
             await asyncio.sleep(0.1)
+        if gen.epoch >= 0 and time.monotonic() >= deadline:
+            log.warning("generator %s: weight group leave not done in time; leaving without it", gen.id)
 
     async def _leave_finished_run(self) -> None:
         """The learner has finished (it set `stop`) and the buffer leaves with it: nothing generated
