@@ -61,7 +61,10 @@ def wait_work(work, timeout_s: float, what: str = "broadcast", abandon: Callable
             return
         except RuntimeError:
             if work.is_completed():
-                raise  # the work's own failure (a peer's connection closed, say)
+                # Done after all (it may finish right after the slice ran out): wait() returns, or
+                # raises the work's own failure (a peer's connection closed, say).
+                work.wait()
+                return
         if why := abandon():
             keep_until_done([work], *keep)
             raise SyncAbandoned(f"{what} given up: {why}")
