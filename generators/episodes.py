@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.envs.base import Environment, Message, clip_observation
+from asyncrl.envs.base import Environment, Message, clip_observation, examples_of, system_prompt_of
 from asyncrl.tasks.synthetic import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,14 @@ class TurnCodec:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, system_prompt: str, user: str) -> list[int]:
+    def prompt_ids(self, system_prompt: str, user: str, examples: list[Message] = ()) -> list[int]:
+        """The system prompt, the demonstration turns (`examples`, chat messages) and the first user message."""
         if self.chat:
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-                       [{"role": "user", "content": user}]
+                       [*examples, {"role": "user", "content": user}]
             return self._encode(self._template(messages, True))
-        return self._encode(f"{system_prompt}\n{user}\n" if system_prompt else f"{user}\n")
+        lines = [system_prompt] if system_prompt else []
+        return self._encode("\n".join([*lines, *(m["content"] for m in examples), user]) + "\n")
 
     def observation_ids(self, observation: str | list[Message]) -> list[int]:
         """The tokens that follow an assistant turn ended by its end-of-turn token: the template's
@@ -122,10 +124,11 @@ class EpisodeOut:
 
 def episode_start(gen, task) -> tuple[PromptRecord, list[int]]:
     """What an episode of a leased prompt or eval task starts from: the row its environment is made from,
-    and the prompt's token ids (the environment's system prompt, unless env.system_prompt replaces it)."""
+    and the prompt's token ids (the environment's system prompt, unless env.system_prompt replaces it, and
+    its demonstration turns)."""
     row = PromptRecord(prompt_id=task.prompt_id, prompt=task.prompt, answer=task.answer)
-    system = gen.cfg.env.system_prompt or getattr(gen.env_factory, "system_prompt", "")
-    return row, gen.codec.prompt_ids(system, task.prompt)
+    return row, gen.codec.prompt_ids(system_prompt_of(gen.env_factory, gen.cfg), task.prompt,
+                                     examples_of(gen.env_factory, gen.cfg))
 
 
 async def run_episode(engine, codec: TurnCodec, env: Environment, prompt_ids: list[int], version: Callable[[], int],

@@ -84,8 +84,9 @@ class EvalWorker:
         # Evaluate the version the round names: wait for its weights (a newer version is fine too).
         while gen.version < task.version and not gen.stopping.is_set():
             await asyncio.sleep(0.05)
+        greedy_episode = None
         if gen.env_factory is not None:
-            (greedy_reward, greedy_correct), *scored, versions, num_tokens = await self._episodes(task)
+            (greedy_reward, greedy_correct), *scored, versions, num_tokens, greedy_episode = await self._episodes(task)
         else:
             (greedy_reward, greedy_correct), *scored, versions, num_tokens = await self._completions(task)
         result = schema.EvalResult(
@@ -93,7 +94,9 @@ class EvalWorker:
             prompt_id=task.prompt_id, generator_id=gen.id, greedy_correct=greedy_correct,
             greedy_reward=greedy_reward, sample_correct=schema.pack_i32([int(c) for _, c in scored]),
             sample_rewards=schema.pack_f32([r for r, _ in scored]), min_version=int(min(versions or [gen.version])),
-            num_tokens=num_tokens, finished_at=time.time())
+            num_tokens=num_tokens, finished_at=time.time(),
+            greedy_turns=greedy_episode.turns if greedy_episode else 0,
+            greedy_tool_calls=greedy_episode.tool_calls if greedy_episode else 0)
         async with gen.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.results_key, {"data": schema.encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
             pipe.xack(self.prompts_key, EVAL_GROUP, entry_id)
@@ -116,7 +119,7 @@ class EvalWorker:
     async def _episodes(self, task: schema.EvalTask) -> list:
         """A task with an environment: one episode of greedy turns and `task.k` at the training
         temperature (generators/episodes.py), each scored by its environment's summed reward and correct
-        where that reward is at least 1; the same list as `_completions`."""
+        where that reward is at least 1; the same list as `_completions`, then the greedy episode."""
         gen = self.gen
         row, prompt_ids = episode_start(gen, task)
         episodes = await asyncio.gather(*(
@@ -124,7 +127,7 @@ class EvalWorker:
                         gen.episode_limits, temperature=t) for t in [0.0] + [None] * task.k))
         scored = [(float(ep.reward), ep.reward >= 1.0 - 1e-6) for ep in episodes]
         versions = [v for ep in episodes for v, m in zip(ep.versions, ep.mask, strict=True) if m]
-        return [*scored, versions, sum(len(ep.token_ids) for ep in episodes)]
+        return [*scored, versions, sum(len(ep.token_ids) for ep in episodes), episodes[0]]
 
     def score(self, token_ids: list[int], task: schema.EvalTask) -> tuple[float, bool]:
         text = self.gen.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -24,6 +24,20 @@ def _segments(mask: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def test_the_prompt_with_demonstration_turns_is_the_templates_rendering(smollm2):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from asyncrl.envs import calc
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    ids = TurnCodec(tok, chat_template=True).prompt_ids(calc.SYSTEM_PROMPT, "What is 347 * 86?", calc.EXAMPLES)
+    messages = [{"role": "system", "content": calc.SYSTEM_PROMPT}, *calc.EXAMPLES,
+                {"role": "user", "content": "What is 347 * 86?"}]
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    plain = tok.decode(TurnCodec(tok, chat_template=False).prompt_ids("S", "Q", calc.NO_TOOLS_EXAMPLES))
+    assert plain == "S\nWhat is 12 * 34?\n\\boxed{408}\nWhat is 531 * 27?\n\\boxed{14337}\nQ\n"
+
+
 def test_a_three_turn_episode_is_the_chat_templates_rendering_with_only_the_assistant_in_the_mask(smollm2):  # noqa: F811
     from transformers import AutoTokenizer
 

@@ -156,6 +156,30 @@ def test_the_calculator_environment_answers_calls_errors_and_scores_the_answer()
     assert calc.evaluate("(7 + 3) * 12 / 4") == 30
 
 
+def test_without_tools_the_calculator_is_not_offered_and_the_first_turn_is_the_answer():
+    from asyncrl.envs.base import examples_of, system_prompt_of
+
+    cfg = load_config(None, ["data.task=calc", "data.num_prompts=5", "env.tools=false"])
+    row = calc.train_rows(cfg)[0]
+    assert system_prompt_of(calc.CalculatorEnv, cfg) == calc.NO_TOOLS_PROMPT
+    assert "calculator" not in calc.NO_TOOLS_PROMPT
+    called = asyncio.run(calc.CalculatorEnv(cfg, row).step(f"<calculator>{row.prompt[8:-1]}</calculator>"))
+    answered = asyncio.run(calc.CalculatorEnv(cfg, row).step(f"\\boxed{{{row.answer}}}"))
+    assert called.done and called.reward == 0.0 and called.tool_calls == 0
+    assert answered.done and answered.reward == 1.0
+    with_tools = load_config(None, ["data.task=calc", "env.system_prompt=Be brief."])
+    assert system_prompt_of(calc.CalculatorEnv, with_tools) == "Be brief."
+    assert system_prompt_of(calc.CalculatorEnv, load_config(None, ["data.task=calc"])) == calc.SYSTEM_PROMPT
+    # The demonstration turns follow: calls and results with the tool, direct answers without, or none.
+    assert examples_of(calc.CalculatorEnv, with_tools) == calc.EXAMPLES
+    assert "<calculator>12*34</calculator>" in [m["content"] for m in calc.EXAMPLES]
+    assert examples_of(calc.CalculatorEnv, cfg) == calc.NO_TOOLS_EXAMPLES
+    assert not any("calculator" in m["content"] for m in calc.NO_TOOLS_EXAMPLES)
+    assert examples_of(calc.CalculatorEnv, load_config(None, ["data.task=calc", "env.examples=false"])) == []
+    assert all(calc.evaluate(m["content"][12:-13]) == int(n["content"][8:-9])
+               for m, n in zip(calc.EXAMPLES[1::4], calc.EXAMPLES[2::4], strict=True))  # the examples are right
+
+
 def test_the_guessing_game_says_higher_or_lower_and_pays_the_hit():
     cfg = load_config(None, ["data.task=guess", "env.guess_max=16"])
     env = guess.GuessEnv(cfg, PromptRecord("g", "guess", "11"))

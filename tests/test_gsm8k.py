@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from asyncrl.config import REPO_CONFIGS, ConfigError, load_config
@@ -206,6 +207,13 @@ def test_eval_messages_round_trip_and_summary():
     assert s["eval/pass@1"] == pytest.approx(1 / 3)
     assert s["eval/mean@k"] == pytest.approx(3 / 6)
     assert s["eval/pass@k"] == pytest.approx(2 / 3)
+    assert "eval/tool_call_frac" not in s  # single completions have no turns
+    played = [msgspec.structs.replace(r, greedy_turns=t, greedy_tool_calls=c)
+              for r, (t, c) in zip(rnd.results.values(), [(2, 1), (1, 0), (3, 2)], strict=True)]
+    assert schema.decode(schema.encode(played[2]), schema.EvalResult) == played[2]
+    s = summarize(played, k=2)
+    assert s["eval/turns_mean"] == 2.0 and s["eval/tool_calls_mean"] == 1.0
+    assert s["eval/tool_call_frac"] == pytest.approx(2 / 3)
 
 
 def test_eval_set_is_the_head_of_the_test_split(prepared):

@@ -46,9 +46,13 @@ class StepResult:
 
 class Environment:
     """One episode. Subclasses set `system_prompt` (what teaches the model the tool format) and
-    implement `step`; `start` returns the first user message (by default the row's prompt)."""
+    implement `step`; `start` returns the first user message (by default the row's prompt).
+    `examples`: demonstration turns (chat messages) placed between the system prompt and the first user
+    message, unless `env.examples=false`; a small model takes a tool's format from a worked exchange far
+    more readily than from instructions. They are prompt tokens: never in the loss."""
 
     system_prompt: str = ""
+    examples: list[Message] = []
 
     def __init__(self, cfg: Config, row: PromptRecord):
         self.cfg = cfg
@@ -65,6 +69,26 @@ class Environment:
 
 
 EnvFactory = Callable[["Config", "PromptRecord"], Environment]
+
+
+def system_prompt_of(factory: EnvFactory, cfg: Config) -> str:
+    """The system prompt an episode starts with: `env.system_prompt` when set, else the environment's
+    own (`no_tools_prompt` for a tool environment under `env.tools=false`)."""
+    if cfg.env.system_prompt:
+        return cfg.env.system_prompt
+    if not cfg.env.tools and hasattr(factory, "no_tools_prompt"):
+        return factory.no_tools_prompt
+    return getattr(factory, "system_prompt", "")
+
+
+def examples_of(factory: EnvFactory, cfg: Config) -> list[Message]:
+    """The demonstration turns an episode starts with: none under `env.examples=false`, a tool
+    environment's `no_tools_examples` under `env.tools=false`, else the environment's `examples`."""
+    if not cfg.env.examples:
+        return []
+    if not cfg.env.tools and hasattr(factory, "no_tools_examples"):
+        return list(factory.no_tools_examples)
+    return list(getattr(factory, "examples", []))
 
 
 async def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:

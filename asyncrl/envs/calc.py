@@ -7,7 +7,9 @@ one problem in ten (a fixed hash) is held out. The system prompt teaches the too
 the environment answers `<result>29842</result>` as the next user message, and the model goes on. A
 turn without a tool call is the final answer: reward 1.0 when its integer (the last `\\boxed{}` or the
 last number, as the arith task reads it) is the product, else 0.0; the episode ends there. A malformed
-call is answered with `<error>...</error>` and counted as a tool error.
+call is answered with `<error>...</error>` and counted as a tool error. Two worked exchanges (a call,
+its result, the boxed answer) open each episode (`env.examples`); with `env.tools=false` the same
+problems answered directly, and no calculator.
 
 The calculator evaluates + - * / // % and parentheses on integers and decimals (no names, no
 calls, no powers), on a worker thread: `ast.parse` of the expression, walked node by node.
@@ -30,6 +32,21 @@ TOOLS = {"calculator": "expression"}
 SYSTEM_PROMPT = ("You can use a calculator. To use it, write <calculator>EXPRESSION</calculator> and stop; "
                  "the result comes back as <result>VALUE</result>. When you know the answer, write it as "
                  "\\boxed{NUMBER}.")
+NO_TOOLS_PROMPT = "Write the answer as \\boxed{NUMBER}."  # env.tools=false: the same answer format, no tool
+
+def _exchange(a: int, b: int, tool: bool) -> list[dict[str, str]]:
+    ask = {"role": "user", "content": f"What is {a} * {b}?"}
+    answer = {"role": "assistant", "content": f"\\boxed{{{a * b}}}"}
+    if not tool:
+        return [ask, answer]
+    return [ask, {"role": "assistant", "content": f"<calculator>{a}*{b}</calculator>"},
+            {"role": "user", "content": f"<result>{a * b}</result>"}, answer]
+
+
+# Two worked exchanges open each episode (env.examples): SmolLM2-135M-Instruct calls the calculator in
+# 19 of 24 sampled first turns with them and in none of 24 from the system prompt alone.
+EXAMPLES = _exchange(12, 34, tool=True) + _exchange(531, 27, tool=True)
+NO_TOOLS_EXAMPLES = _exchange(12, 34, tool=False) + _exchange(531, 27, tool=False)
 MAX_EXPRESSION_CHARS = 200
 HELD_OUT_EVERY = 10
 
@@ -98,6 +115,9 @@ def eval_rows(cfg) -> list[PromptRecord]:
 
 class CalculatorEnv(ToolEnvironment):
     system_prompt = SYSTEM_PROMPT
+    no_tools_prompt = NO_TOOLS_PROMPT
+    examples = EXAMPLES
+    no_tools_examples = NO_TOOLS_EXAMPLES
     tools = TOOLS
 
     def final_reward(self, assistant_text: str) -> float:

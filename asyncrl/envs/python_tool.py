@@ -40,6 +40,7 @@ def observation(result: SandboxResult) -> tuple[str, bool]:
 
 class PythonToolEnv(ToolEnvironment):
     system_prompt = SYSTEM_PROMPT
+    no_tools_prompt = "Solve the problem step by step and write the final answer as \\boxed{NUMBER}."
     tools = TOOLS
 
     def final_reward(self, assistant_text: str) -> float:

@@ -86,9 +86,12 @@ class ToolEnvironment(Environment):
     """An environment whose turns call tools until one answers: a turn with a call gets the tool's
     observation (`call_tool`), a call that cannot be read gets an error observation and counts as a
     tool error, and a turn without a call is the final answer, scored by `final_reward`; the episode
-    ends there. `tools`: each tool's name and the name of its one argument."""
+    ends there. `tools`: each tool's name and the name of its one argument. With `env.tools=false` no
+    tool is offered (`no_tools_prompt`) and the first turn is the final answer."""
 
     tools: dict[str, str] = {}
+    no_tools_prompt: str = ""  # the system prompt with `env.tools=false`: the answer format alone
+    no_tools_examples: list = []  # the demonstration turns with `env.tools=false`: answers without a call
 
     def final_reward(self, assistant_text: str) -> float:
         raise NotImplementedError
@@ -97,6 +100,8 @@ class ToolEnvironment(Environment):
         raise NotImplementedError
 
     async def step(self, assistant_text: str) -> StepResult:
+        if not self.cfg.env.tools:
+            return StepResult(reward=self.final_reward(assistant_text), done=True)
         call = parse_tool_call(assistant_text, self.tools)
         if call is None:
             return StepResult(reward=self.final_reward(assistant_text), done=True)

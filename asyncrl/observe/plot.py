@@ -34,8 +34,9 @@ def _series(rows: list[dict], key: str, x: str = "step") -> tuple[list[float], l
 
 
 def plot_eval_curves(curves: dict[str, list[tuple[float, float]]], path: str | Path, title: str = "",
-                     xlabel: str = "wall time (minutes)") -> Path:
-    """Held-out greedy accuracy curves, one line per run: {label: [(x, pass@1), ...]}."""
+                     xlabel: str = "wall time (minutes)",
+                     ylabel: str = "held-out greedy accuracy (pass@1)") -> Path:
+    """Held-out curves of a share (greedy accuracy by default), one line per run: {label: [(x, y), ...]}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,7 +46,7 @@ def plot_eval_curves(curves: dict[str, list[tuple[float, float]]], path: str | P
     for label, pts in curves.items():
         pts = sorted(pts)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
-    ax.set(xlabel=xlabel, ylabel="held-out greedy accuracy (pass@1)", title=title or "evaluation", ylim=(0, 1))
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title or "evaluation", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()

@@ -215,6 +215,10 @@ class EvalResult(msgspec.Struct, tag="eval_result"):
     min_version: int  # the lowest policy version that produced a token of this result
     num_tokens: int
     finished_at: float
+    # A task with an environment: the greedy episode's assistant turns and well-formed tool calls (0, 0
+    # for single completions, and in results of code before these fields).
+    greedy_turns: int = 0
+    greedy_tool_calls: int = 0
 
 
 Message = TrajectoryGroup | PromptTask | WeightAnnouncement | GroupEpoch | IpcExport | EvalTask | EvalResult

@@ -8,7 +8,8 @@ Protocol (all under `asyncrl:{run}:`):
   temperature, and XADD an `EvalResult` to `eval_results`; no trajectory is produced, so training
   data is untouched;
 - rank 0 reads `eval_results`, and once a round has every prompt writes `eval/pass@1` (greedy),
-  `eval/mean@k`, `eval/pass@k` and `eval/version` into the step's metrics row and `eval.jsonl`.
+  `eval/mean@k`, `eval/pass@k` and `eval/version` (for episodes also the greedy episodes' turns and
+  tool calls) into the step's metrics row and `eval.jsonl`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def summarize(results: list[schema.EvalResult], k: int) -> dict[str, float]:
            "eval/num_prompts": len(results), "eval/k": k,
            "eval/min_version": min(r.min_version for r in results),
            "eval/tokens": sum(r.num_tokens for r in results)}
+    if any(r.greedy_turns for r in results):  # episodes: how the greedy policy used its turns and tools
+        out["eval/turns_mean"] = float(np.mean([r.greedy_turns for r in results]))
+        out["eval/tool_calls_mean"] = float(np.mean([r.greedy_tool_calls for r in results]))
+        out["eval/tool_call_frac"] = float(np.mean([r.greedy_tool_calls > 0 for r in results]))
     if k > 0:
         correct = np.stack([schema.unpack_i32(r.sample_correct).astype(np.float64) for r in results])
         rewards = np.stack([schema.unpack_f32(r.sample_rewards).astype(np.float64) for r in results])
