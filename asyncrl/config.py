@@ -265,6 +265,8 @@ class GeneratorConfig(Section):
     # vLLM engine settings, passed through.
     max_model_len: Annotated[int, AtLeastOne] = 128
     dtype: str = "auto"
+    """vLLM's compute dtype; auto: vLLM's choice (bf16 for a float32 model), except float32 on an x86 CPU
+    without bf16 instructions, which would emulate bf16 several times slower"""
     enforce_eager: bool = True
     torch_compile: bool = True
     """with enforce_eager=false, whether vLLM compiles the model (torch.compile, piecewise CUDA graphs);

@@ -34,3 +34,24 @@ def test_vllm_kwargs_come_last_and_reach_vllm_s_own_argument_class():
 def test_vllm_kwargs_may_not_replace_what_the_generator_relies_on(key):
     with pytest.raises(ConfigError, match=f"{key}: set by the generator itself"):
         load_config(None, [f"generator.vllm_kwargs={{{key}: x}}"])
+
+
+def test_auto_dtype_on_an_x86_cpu_without_bf16_instructions_is_float32(tmp_path, monkeypatch):
+    from generators import vllm_engine
+
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    bf16 = tmp_path / "bf16"
+    bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert not vllm_engine.cpu_has_bf16(str(avx2))
+    assert vllm_engine.cpu_has_bf16(str(bf16)) and vllm_engine.cpu_has_bf16(str(arm))
+    assert vllm_engine.cpu_has_bf16(str(tmp_path / "none"))  # no cpuinfo: vLLM's own choice
+
+    monkeypatch.setattr(vllm_engine, "cpu_has_bf16", lambda: False)
+    assert _args(on_cpu=True)["dtype"] == "float32"
+    assert _args(on_cpu=False)["dtype"] == "auto"  # on the GPU vLLM chooses
+    assert _args("generator.dtype=bfloat16", on_cpu=True)["dtype"] == "bfloat16"  # said outright: kept
+    monkeypatch.setattr(vllm_engine, "cpu_has_bf16", lambda: True)
+    assert _args(on_cpu=True)["dtype"] == "auto"
