@@ -23,6 +23,7 @@ import traceback
 import zmq.asyncio
 
 from asyncrl.config import Config
+from asyncrl.launch.leaving import Leaving, kill_children
 from asyncrl.protocol import schema, security
 from asyncrl.protocol.keys import Keys, aconnect
 from asyncrl.protocol.notify import AsyncNotifications
@@ -121,7 +122,6 @@ class Generator:
 
     def _drain_on_signal(self) -> None:
         """From here a signal drains (generators/leave.py) instead of ending the start-up (main())."""
-        from asyncrl.launch.leaving import Leaving
 
         self.leaving = Leaving(f"generator {self.id}", "generator.drain_timeout_s", self.cfg.generator.drain_timeout_s,
                                self.stopping.set, margin_s=LEAVE_MARGIN_S)
@@ -235,8 +235,11 @@ def main(cfg: Config, generator_id: str) -> None:
         traceback.print_exc()
         code = 1
     # A non-daemon thread left by a library could also keep the interpreter from exiting: end the
-    # process here. Should even the flushing below hang, say where and exit.
+    # process here, and with it any process the engine left (after a crash its core is still up).
+    # Should even the flushing below hang, say where and exit.
     faulthandler.dump_traceback_later(30, exit=True)
+    if killed := kill_children():
+        log.warning("generator %s: ended %d leftover child process(es) %s", generator_id, len(killed), killed)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 
 from asyncrl.config import Config
+from asyncrl.launch.leaving import child_pids, kill_children
 from generators.engines import SampleOut, WeightUpdateStats
 
 log = logging.getLogger(__name__)
@@ -34,43 +35,6 @@ STAGE_POLL_S = 0.002  # first interval at which update_weights asks the workers 
 STAGE_POLL_MAX_S = 0.02  # the interval doubles up to this
 STAGED_JOIN_S = 5.0  # how long the paused load waits for a staging thread that has not finished
 SHUTDOWN_GRACE_S = 1.0  # what vLLM's shutdown waits for its engine core before it SIGKILLs it
-
-
-def child_pids() -> set[int]:
-    import psutil
-
-    return {c.pid for c in psutil.Process().children()}
-
-
-def kill_children(keep: set[int] = frozenset()) -> list[int]:
-    """SIGKILLs this process's children not in `keep` (those that were there before the engine),
-    with all their descendants, except multiprocessing's resource tracker (it unlinks shared memory
-    the engine leaves); returns the pids it killed."""
-    from multiprocessing import resource_tracker
-
-    import psutil
-
-    keep = set(keep) | {getattr(resource_tracker._resource_tracker, "_pid", None)}
-    children, victims = [], []
-    for child in psutil.Process().children():
-        if child.pid in keep:
-            continue
-        try:
-            victims += [*child.children(recursive=True), child]
-            children.append(child)
-        except psutil.Error:  # gone already
-            pass
-    killed = []
-    for proc in victims:
-        try:
-            proc.kill()
-            killed.append(proc)
-        except psutil.Error:  # gone already, or not ours to kill
-            pass
-    # Reaps the direct children (a process already gone is fine), not the grandchildren: those are
-    # not ours to reap, and waiting until whoever adopts them has reaped them only delays the exit.
-    psutil.wait_procs([p for p in killed if p in children], timeout=5)
-    return [p.pid for p in killed]
 
 
 def import_vllm(cfg: Config) -> bool:

@@ -7,7 +7,8 @@ import time
 
 import psutil
 
-from generators.vllm_engine import VllmEngine, child_pids, kill_children
+from asyncrl.launch.leaving import child_pids, kill_children
+from generators.vllm_engine import VllmEngine
 
 
 def _parent_of_a_sleeper():
@@ -77,3 +78,40 @@ def test_engine_shutdown_never_raises_and_leaves_no_engine_process(caplog):
     _gone(racing.proc.pid)
     _gone(racing.worker)
     assert not hasattr(engine, "engine")
+
+
+_ROLE = """
+import multiprocessing as mp
+import time
+
+from asyncrl.launch.leaving import Leaving
+
+if __name__ == "__main__":
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(300,))
+    child.start()
+    Leaving("role", "role.drain_timeout_s", 0.5, lambda: None).install()  # a stop that never finishes
+    print(child.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_role_forced_out_past_its_timeout_takes_its_children_with_it(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from asyncrl.launch.leaving import FORCED_EXIT
+
+    script = tmp_path / "role.py"
+    script.write_text(_ROLE)
+    role = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(role.stdout.readline())
+        assert psutil.pid_exists(child)
+        t0 = time.monotonic()
+        role.send_signal(signal.SIGTERM)
+        assert role.wait(timeout=10) == FORCED_EXIT
+        assert time.monotonic() - t0 < 5
+        _gone(child)  # not orphaned: it would sleep on for five minutes
+    finally:
+        role.kill()

@@ -8,7 +8,8 @@ leaves), and two bounds start:
 - a call that cannot even fail in time (a frozen redis-server holds a read for `socket_timeout`)
   is cut short by a daemon timer that logs one line and ends the process at the timeout.
 
-A second signal while leaving ends the process at once.
+A second signal while leaving ends the process at once. A process ended so takes its children with it
+(`kill_children`: vLLM's engine core, torchrun's ranks), which would otherwise live on orphaned.
 """
 
 from __future__ import annotations
@@ -89,7 +90,48 @@ class Leaving:
 
     @staticmethod
     def _exit() -> None:
+        try:
+            kill_children()
+        except Exception:  # noqa: BLE001 - the exit goes ahead whatever the cleanup met
+            pass
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(FORCED_EXIT)
+
+
+def child_pids() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children()}
+
+
+def kill_children(keep: set[int] = frozenset()) -> list[int]:
+    """SIGKILLs this process's children not in `keep` (those that were there before the engine),
+    with all their descendants, except multiprocessing's resource tracker (it unlinks shared memory
+    the engine leaves); returns the pids it killed."""
+    from multiprocessing import resource_tracker
+
+    import psutil
+
+    keep = set(keep) | {getattr(resource_tracker._resource_tracker, "_pid", None)}
+    children, victims = [], []
+    for child in psutil.Process().children():
+        if child.pid in keep:
+            continue
+        try:
+            victims += [*child.children(recursive=True), child]
+            children.append(child)
+        except psutil.Error:  # gone already
+            pass
+    killed = []
+    for proc in victims:
+        try:
+            proc.kill()
+            killed.append(proc)
+        except psutil.Error:  # gone already, or not ours to kill
+            pass
+    # Reaps the direct children (a process already gone is fine), not the grandchildren: those are
+    # not ours to reap, and waiting until whoever adopts them has reaped them only delays the exit.
+    psutil.wait_procs([p for p in killed if p in children], timeout=5)
+    return [p.pid for p in killed]
