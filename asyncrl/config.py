@@ -210,9 +210,9 @@ class EnvConfig(Section):
     """an observation longer than this is cut (and says so)"""
     system_prompt: str = ""
     """replaces the environment's own system prompt (which teaches its tool format); empty: keep it"""
-    examples: bool = True
-    """the environment's demonstration turns (a worked exchange, `Environment.examples`) open each episode,
-    between the system prompt and the first user message; false: none"""
+    examples: Annotated[int, Field(ge=-1)] = -1
+    """how many of the environment's worked exchanges (`Environment.examples`) open each episode, between
+    the system prompt and the first user message; -1: all it has, 0: none"""
     tools: bool = True
     """false: a tool environment (calc, gsm8k_python) offers no tool: its system prompt asks for the answer
     alone and every turn is read as the final answer, a tool call included (what the policy does unaided)"""

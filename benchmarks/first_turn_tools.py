@@ -25,8 +25,6 @@ from asyncrl.config import load_config  # noqa: E402
 from asyncrl.envs import calc  # noqa: E402
 from asyncrl.envs.tools import ToolCall, parse_tool_call  # noqa: E402
 
-EXCHANGE = 4  # messages of one worked exchange: the question, the call, the result, the answer
-
 
 def first_turns(model, tok, rows, examples: list[dict], max_new_tokens: int, seed: int) -> list[str]:
     messages = [[{"role": "system", "content": calc.SYSTEM_PROMPT}, *examples, {"role": "user", "content": r.prompt}]
@@ -65,7 +63,8 @@ def main() -> int:
     print(f"{'shots':>5} {'calls':>9} {'rate':>6} {'seconds':>8}")
     for shots in (int(s) for s in args.shots.split(",")):
         t0 = time.perf_counter()
-        texts = first_turns(model, tok, rows, calc.EXAMPLES[: EXCHANGE * shots], args.max_new_tokens, args.seed)
+        examples = [m for exchange in calc.EXAMPLES[:shots] for m in exchange]
+        texts = first_turns(model, tok, rows, examples, args.max_new_tokens, args.seed)
         hits = sum(calls_the_product(t, r.prompt) for t, r in zip(texts, rows, strict=True))
         seconds = time.perf_counter() - t0
         results.append({"shots": shots, "calls": hits, "problems": len(rows), "rate": hits / len(rows),

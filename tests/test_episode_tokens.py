@@ -30,11 +30,12 @@ def test_the_prompt_with_demonstration_turns_is_the_templates_rendering(smollm2)
     from asyncrl.envs import calc
 
     tok = AutoTokenizer.from_pretrained(smollm2)
-    ids = TurnCodec(tok, chat_template=True).prompt_ids(calc.SYSTEM_PROMPT, "What is 347 * 86?", calc.EXAMPLES)
-    messages = [{"role": "system", "content": calc.SYSTEM_PROMPT}, *calc.EXAMPLES,
-                {"role": "user", "content": "What is 347 * 86?"}]
+    shots = calc.EXAMPLES[0] + calc.EXAMPLES[1]
+    ids = TurnCodec(tok, chat_template=True).prompt_ids(calc.SYSTEM_PROMPT, "What is 347 * 86?", shots)
+    messages = [{"role": "system", "content": calc.SYSTEM_PROMPT}, *shots, {"role": "user", "content": "What is 347 * 86?"}]
     assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    plain = tok.decode(TurnCodec(tok, chat_template=False).prompt_ids("S", "Q", calc.NO_TOOLS_EXAMPLES))
+    no_tool = calc.NO_TOOLS_EXAMPLES[0] + calc.NO_TOOLS_EXAMPLES[1]
+    plain = tok.decode(TurnCodec(tok, chat_template=False).prompt_ids("S", "Q", no_tool))
     assert plain == "S\nWhat is 12 * 34?\n\\boxed{408}\nWhat is 531 * 27?\n\\boxed{14337}\nQ\n"
 
 

@@ -171,13 +171,16 @@ def test_without_tools_the_calculator_is_not_offered_and_the_first_turn_is_the_a
     assert system_prompt_of(calc.CalculatorEnv, with_tools) == "Be brief."
     assert system_prompt_of(calc.CalculatorEnv, load_config(None, ["data.task=calc"])) == calc.SYSTEM_PROMPT
     # The demonstration turns follow: calls and results with the tool, direct answers without, or none.
-    assert examples_of(calc.CalculatorEnv, with_tools) == calc.EXAMPLES
-    assert "<calculator>12*34</calculator>" in [m["content"] for m in calc.EXAMPLES]
-    assert examples_of(calc.CalculatorEnv, cfg) == calc.NO_TOOLS_EXAMPLES
-    assert not any("calculator" in m["content"] for m in calc.NO_TOOLS_EXAMPLES)
-    assert examples_of(calc.CalculatorEnv, load_config(None, ["data.task=calc", "env.examples=false"])) == []
+    both = examples_of(calc.CalculatorEnv, with_tools)
+    assert both == calc.EXAMPLES[0] + calc.EXAMPLES[1] and len(both) == 8
+    assert "<calculator>12*34</calculator>" in [m["content"] for m in both]
+    assert examples_of(calc.CalculatorEnv, cfg) == calc.NO_TOOLS_EXAMPLES[0] + calc.NO_TOOLS_EXAMPLES[1]
+    assert not any("calculator" in m["content"] for m in examples_of(calc.CalculatorEnv, cfg))
+    one = load_config(None, ["data.task=calc", "env.examples=1"])
+    assert examples_of(calc.CalculatorEnv, one) == calc.EXAMPLES[0]
+    assert examples_of(calc.CalculatorEnv, load_config(None, ["data.task=calc", "env.examples=0"])) == []
     assert all(calc.evaluate(m["content"][12:-13]) == int(n["content"][8:-9])
-               for m, n in zip(calc.EXAMPLES[1::4], calc.EXAMPLES[2::4], strict=True))  # the examples are right
+               for m, n in zip(both[1::4], both[2::4], strict=True))  # the examples are right
 
 
 def test_the_guessing_game_says_higher_or_lower_and_pays_the_hit():

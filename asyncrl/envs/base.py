@@ -47,12 +47,12 @@ class StepResult:
 class Environment:
     """One episode. Subclasses set `system_prompt` (what teaches the model the tool format) and
     implement `step`; `start` returns the first user message (by default the row's prompt).
-    `examples`: demonstration turns (chat messages) placed between the system prompt and the first user
-    message, unless `env.examples=false`; a small model takes a tool's format from a worked exchange far
-    more readily than from instructions. They are prompt tokens: never in the loss."""
+    `examples`: worked exchanges (each a list of chat messages) placed between the system prompt and the
+    first user message, the first `env.examples` of them; a small model takes a tool's format from a
+    worked exchange far more readily than from instructions. They are prompt tokens: never in the loss."""
 
     system_prompt: str = ""
-    examples: list[Message] = []
+    examples: list[list[Message]] = []
 
     def __init__(self, cfg: Config, row: PromptRecord):
         self.cfg = cfg
@@ -82,13 +82,14 @@ def system_prompt_of(factory: EnvFactory, cfg: Config) -> str:
 
 
 def examples_of(factory: EnvFactory, cfg: Config) -> list[Message]:
-    """The demonstration turns an episode starts with: none under `env.examples=false`, a tool
-    environment's `no_tools_examples` under `env.tools=false`, else the environment's `examples`."""
-    if not cfg.env.examples:
-        return []
+    """The messages of the worked exchanges an episode starts with: the first `env.examples` (-1: all)
+    of the environment's `examples`, of a tool environment's `no_tools_examples` under `env.tools=false`."""
     if not cfg.env.tools and hasattr(factory, "no_tools_examples"):
-        return list(factory.no_tools_examples)
-    return list(getattr(factory, "examples", []))
+        exchanges = factory.no_tools_examples
+    else:
+        exchanges = getattr(factory, "examples", [])
+    chosen = exchanges if cfg.env.examples < 0 else exchanges[: cfg.env.examples]
+    return [message for exchange in chosen for message in exchange]
 
 
 async def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:

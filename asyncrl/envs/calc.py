@@ -8,8 +8,8 @@ the environment answers `<result>29842</result>` as the next user message, and t
 turn without a tool call is the final answer: reward 1.0 when its integer (the last `\\boxed{}` or the
 last number, as the arith task reads it) is the product, else 0.0; the episode ends there. A malformed
 call is answered with `<error>...</error>` and counted as a tool error. Two worked exchanges (a call,
-its result, the boxed answer) open each episode (`env.examples`); with `env.tools=false` the same
-problems answered directly, and no calculator.
+its result, the boxed answer) open each episode (`env.examples` of them); with `env.tools=false` the
+same problems answered directly, and no calculator.
 
 The calculator evaluates + - * / // % and parentheses on integers and decimals (no names, no
 calls, no powers), on a worker thread: `ast.parse` of the expression, walked node by node.
@@ -34,7 +34,8 @@ SYSTEM_PROMPT = ("You can use a calculator. To use it, write <calculator>EXPRESS
                  "\\boxed{NUMBER}.")
 NO_TOOLS_PROMPT = "Write the answer as \\boxed{NUMBER}."  # env.tools=false: the same answer format, no tool
 
-def _exchange(a: int, b: int, tool: bool) -> list[dict[str, str]]:
+def exchange(a: int, b: int, tool: bool) -> list[dict[str, str]]:
+    """A worked exchange: the question, the call and its result (with the tool), the boxed answer."""
     ask = {"role": "user", "content": f"What is {a} * {b}?"}
     answer = {"role": "assistant", "content": f"\\boxed{{{a * b}}}"}
     if not tool:
@@ -44,9 +45,9 @@ def _exchange(a: int, b: int, tool: bool) -> list[dict[str, str]]:
 
 
 # Two worked exchanges open each episode (env.examples): SmolLM2-135M-Instruct calls the calculator in
-# 19 of 24 sampled first turns with them and in none of 24 from the system prompt alone.
-EXAMPLES = _exchange(12, 34, tool=True) + _exchange(531, 27, tool=True)
-NO_TOOLS_EXAMPLES = _exchange(12, 34, tool=False) + _exchange(531, 27, tool=False)
+# 19 of 24 sampled first turns with both, 3 of 24 with the first, none of 24 from the system prompt alone.
+EXAMPLES = [exchange(12, 34, tool=True), exchange(531, 27, tool=True)]
+NO_TOOLS_EXAMPLES = [exchange(12, 34, tool=False), exchange(531, 27, tool=False)]
 MAX_EXPRESSION_CHARS = 200
 HELD_OUT_EVERY = 10
 

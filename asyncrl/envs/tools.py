@@ -91,7 +91,7 @@ class ToolEnvironment(Environment):
 
     tools: dict[str, str] = {}
     no_tools_prompt: str = ""  # the system prompt with `env.tools=false`: the answer format alone
-    no_tools_examples: list = []  # the demonstration turns with `env.tools=false`: answers without a call
+    no_tools_examples: list = []  # the worked exchanges with `env.tools=false`: answers without a call
 
     def final_reward(self, assistant_text: str) -> float:
         raise NotImplementedError
