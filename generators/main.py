@@ -122,7 +122,6 @@ class Generator:
 
     def _drain_on_signal(self) -> None:
         """From here a signal drains (generators/leave.py) instead of ending the start-up (main())."""
-
         self.leaving = Leaving(f"generator {self.id}", "generator.drain_timeout_s", self.cfg.generator.drain_timeout_s,
                                self.stopping.set, margin_s=LEAVE_MARGIN_S)
         loop = asyncio.get_running_loop()

@@ -34,6 +34,7 @@ SYSTEM_PROMPT = ("You can use a calculator. To use it, write <calculator>EXPRESS
                  "\\boxed{NUMBER}.")
 NO_TOOLS_PROMPT = "Write the answer as \\boxed{NUMBER}."  # env.tools=false: the same answer format, no tool
 
+
 def exchange(a: int, b: int, tool: bool) -> list[dict[str, str]]:
     """A worked exchange: the question, the call and its result (with the tool), the boxed answer."""
     ask = {"role": "user", "content": f"What is {a} * {b}?"}
