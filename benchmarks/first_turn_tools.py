@@ -23,12 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.envs import calc  # noqa: E402
+from asyncrl.envs.base import examples_of, system_prompt_of  # noqa: E402
 from asyncrl.envs.tools import ToolCall, parse_tool_call  # noqa: E402
 
 
-def first_turns(model, tok, rows, examples: list[dict], max_new_tokens: int, seed: int) -> list[str]:
-    messages = [[{"role": "system", "content": calc.SYSTEM_PROMPT}, *examples, {"role": "user", "content": r.prompt}]
-                for r in rows]
+def first_turns(model, tok, rows, cfg, max_new_tokens: int, seed: int) -> list[str]:
+    """The first turns of `rows` as the generator opens their episodes under `cfg` (system prompt and
+    worked exchanges, generators/episodes.py `episode_start`), batched in one `generate`."""
+    head = [{"role": "system", "content": system_prompt_of(calc.CalculatorEnv, cfg)},
+            *examples_of(calc.CalculatorEnv, cfg)]
+    messages = [[*head, {"role": "user", "content": r.prompt}] for r in rows]
     tok.padding_side = "left"
     enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", padding=True,
                                   return_dict=True)
@@ -63,8 +67,8 @@ def main() -> int:
     print(f"{'shots':>5} {'calls':>9} {'rate':>6} {'seconds':>8}")
     for shots in (int(s) for s in args.shots.split(",")):
         t0 = time.perf_counter()
-        examples = [m for exchange in calc.EXAMPLES[:shots] for m in exchange]
-        texts = first_turns(model, tok, rows, examples, args.max_new_tokens, args.seed)
+        cfg = load_config(None, ["data.task=calc", f"env.examples={shots}"])
+        texts = first_turns(model, tok, rows, cfg, args.max_new_tokens, args.seed)
         hits = sum(calls_the_product(t, r.prompt) for t, r in zip(texts, rows, strict=True))
         seconds = time.perf_counter() - t0
         results.append({"shots": shots, "calls": hits, "problems": len(rows), "rate": hits / len(rows),

@@ -162,15 +162,13 @@ def cmd_report(args) -> int:
             print(f"{mode}: training episodes (first tenth -> last tenth) " + ", ".join(
                 f"{k.split('/')[1]} {a[k]} -> {b[k]}" for k in EPISODE_STEP if a[k] is not None)
                 + f"; held-out tool-call rate {tool[0] if tool else None} -> {tool[-1] if tool else None}")
-    if args.png:
-        from asyncrl.observe.plot import plot_eval_curves
+    from asyncrl.observe.plot import plot_eval_curves
 
+    if args.png:
         plot_eval_curves({m: [(p["t_s"] / 60, p["pass@1"]) for p in c["curve"]]
                           for m, c in curves.items()}, args.png, title=f"SmolLM2-135M-Instruct, {args.title} ({args.device})")
         print(f"wrote {args.png}")
     if args.tool_png:
-        from asyncrl.observe.plot import plot_eval_curves
-
         plot_eval_curves({m: [(p["t_s"] / 60, p["tool_call_frac"]) for p in c["curve"] if "tool_call_frac" in p]
                           for m, c in curves.items()}, args.tool_png,
                          title=f"SmolLM2-135M-Instruct, {args.title}: tool calls ({args.device})",
