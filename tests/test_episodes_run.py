@@ -36,6 +36,11 @@ def test_the_guessing_game_runs_multi_turn_episodes_end_to_end(tmp_path):
     for round_ in rounds:
         assert round_["eval/num_prompts"] == 4 and round_["eval/k"] == 2 and round_["eval/tokens"] > 0
         assert 0 <= round_["eval/pass@1"] <= 1 and 0 <= round_["eval/mean@k"] <= round_["eval/pass@k"] <= 1
+        # The greedy episodes' turns and tool calls, as the generator's evaluation reports them (each
+        # readable guess is a call of the game's one action).
+        assert 1 <= round_["eval/turns_mean"] <= 4
+        assert 0 <= round_["eval/tool_calls_mean"] <= round_["eval/turns_mean"]
+        assert 0 <= round_["eval/tool_call_frac"] <= 1
     # `asyncrl inspect` shows an episode turn by turn: the assistant's turns and the game's replies.
     r = subprocess.run([sys.executable, "-m", "asyncrl", "inspect", str(tmp_path / "guess_cpu" / "config.yaml"),
                         "-n", "1", "--samples", "2", "--json", "--no-current"], capture_output=True, text=True,
