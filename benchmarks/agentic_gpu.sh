@@ -9,13 +9,14 @@
 # One worked exchange leaves the base model calling the calculator on a few problems in ten
 # (benchmarks/first_turn_tools.py): room to learn the tool. Each run gets a fifth of the CPUs (taskset),
 # compile caches of its own and a fixed KV cache (generator.kv_cache_memory_gb), so that one engine's
-# start does not size itself by another's memory.
+# start does not size itself by another's memory, and micro-batches of 4,096 tokens (a learner sizes its
+# own from the memory free when it starts, which five learners on one GPU would each count as theirs).
 # Then two reports (benchmarks/smollm2_curve.py): a results JSON and PNGs for each task.
 #
 #   bash benchmarks/agentic_gpu.sh OUT [BUDGET_S] [GGUF]     # OUT/done is written when all is finished
 set -euo pipefail
 out=$(realpath -m "${1:?usage: agentic_gpu.sh OUT [BUDGET_S] [GGUF]}")
-budget=${2:-720}
+budget=${2:-600}
 gguf=${3:-}
 py=${PYTHON:-python3}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -26,7 +27,7 @@ $py -m asyncrl model smollm2 --out "$model" --dtype float32 ${gguf:+--gguf "$ggu
 ncpu=$(nproc)
 q=$((ncpu / 5 > 0 ? ncpu / 5 : 1))
 common=(run.max_steps=100000 run.stall_timeout_s=0 logging.prometheus=false checkpoint.export_hf=false
-        generator.kv_cache_memory_gb=4)
+        generator.kv_cache_memory_gb=4 learner.micro_batch_tokens=4096)
 
 arm() {  # slot name config mode [overrides...]
   local slot=$1 name=$2 config=$3 mode=$4
