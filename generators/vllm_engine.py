@@ -42,6 +42,10 @@ def import_vllm(cfg: Config) -> bool:
     Idempotent: `asyncrl generator` calls it before waiting for the tiny model, the engine again."""
     import torch
 
+    # Asked through NVML, torch's CUDA check leaves the CUDA runtime of this process uninitialised: the
+    # plain check initialises it, and an engine core forked after that cannot use CUDA ("Cannot
+    # re-initialize CUDA in forked subprocess").
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     on_cpu = not torch.cuda.is_available()
     # An engine process that dies of a signal (a crash in a native kernel) prints every thread's
     # Python stack into the generator's log instead of vanishing with "engine core exited unexpectedly".
@@ -49,10 +53,7 @@ def import_vllm(cfg: Config) -> bool:
     if on_cpu:
         cpu_env_defaults(cfg)
     else:
-        # The check above initialised CUDA's driver in this process, so an engine core forked from
-        # it fails ("Cannot re-initialize CUDA in forked subprocess", seen on the H200 box under
-        # `asyncrl run` with vLLM 0.25.1): start it with spawn.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", cfg.generator.engine_start)
     import vllm  # noqa: F401
     import vllm.v1.engine.async_llm  # noqa: F401
 

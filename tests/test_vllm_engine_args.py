@@ -1,6 +1,8 @@
 """The vLLM engine arguments the generator builds from its settings: the compile switch, the
 pass-through of more engine arguments, and the ones that pass-through may not replace."""
 
+import os
+
 import pytest
 
 from asyncrl.config import ConfigError, load_config
@@ -55,3 +57,30 @@ def test_auto_dtype_on_an_x86_cpu_without_bf16_instructions_is_float32(tmp_path,
     assert _args("generator.dtype=bfloat16", on_cpu=True)["dtype"] == "bfloat16"  # said outright: kept
     monkeypatch.setattr(vllm_engine, "cpu_has_bf16", lambda: True)
     assert _args(on_cpu=True)["dtype"] == "auto"
+
+
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_on_cuda_the_engine_core_starts_as_configured_and_the_cuda_check_leaves_cuda_uninitialised(
+        start, monkeypatch):
+    import torch
+    import vllm.v1.engine.async_llm  # noqa: F401  (imported for real first: only the generator's check is faked)
+
+    from generators import vllm_engine
+
+    for var in ("VLLM_WORKER_MULTIPROC_METHOD", "PYTORCH_NVML_BASED_CUDA_CHECK"):
+        monkeypatch.delenv(var, raising=False)
+    asked = []
+
+    def is_available():  # what torch reads when it decides how to look for a GPU
+        asked.append(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"))
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    assert vllm_engine.import_vllm(load_config(None, [f"generator.engine_start={start}"])) is False
+    assert asked == ["1"]
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == start
+
+
+def test_an_unknown_engine_start_is_one_clear_error():
+    with pytest.raises(ConfigError, match="engine_start"):
+        load_config(None, ["generator.engine_start=thread"])
