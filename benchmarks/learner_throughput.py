@@ -301,6 +301,10 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
     ref = copy.deepcopy(policy).to(compute).requires_grad_(False)
     if args.checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:  # as learners/setup.py does with learner.compile: each decoder layer, in place
+        for m in (policy, ref):
+            for layer in m.model.layers:
+                layer.compile()
     if shard_layers:
         for layer in policy.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -331,13 +335,12 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, warm = [], []
     for i in range(args.warmup + args.steps):
         t = time.perf_counter()
         st = step()
         sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
+        (times if i >= args.warmup else warm).append(time.perf_counter() - t)
     med = statistics.median(times)
     real = sum(st.lengths)
     c = policy.config
@@ -348,10 +351,10 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
     row = {"variant": kind, "shape": shape, "num_seqs": st.num_seqs, "real_tokens": real,
            "completion_tokens": st.num_tokens, "micro_batch_tokens": budget, "attention": attention,
            "micro_batches": last["micro_batches"], "pad_frac": last["pad_frac"], "step_s_median": med,
-           "step_s_all": times, "real_tokens_per_s": real / med, "tflops_per_s": flops / med / 1e12,
+           "step_s_all": times, "warmup_s_all": warm, "real_tokens_per_s": real / med, "tflops_per_s": flops / med / 1e12,
            "mfu": flops / med / peak,
            "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-           "loss": last.get("loss"), "grad_norm": last.get("grad_norm")}
+           "loss": last.get("loss"), "grad_norm": last.get("grad_norm"), "compile": args.compile}
     return row
 
 
@@ -362,7 +365,7 @@ def main_ragged(args, device, peak, meta) -> int:
     for shape in args.shapes.split(","):
         for n in [int(x) for x in args.num_seqs.split(",")]:
             ragged = None
-            for kind in ("ragged", "uniform"):
+            for kind in ("ragged",) if args.no_uniform else ("ragged", "uniform"):
                 try:
                     row = run_ragged(kind, shape, device, n, args, peak,
                                      total_tokens=ragged["real_tokens"] if ragged else 0)
@@ -501,6 +504,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep-logits-gb", type=float, default=None,
                    help="--ragged: learner.keep_logits_gb (default: the config's default)")
     p.add_argument("--checkpointing", action="store_true", help="--ragged: activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="--ragged: learner.compile (each decoder layer compiled)")
+    p.add_argument("--no-uniform", action="store_true", help="--ragged: skip the uniform batches of the same tokens")
     args = p.parse_args(argv)
     if args.tiny:
         args.shapes, args.seqs, args.tokens, args.extra_seqs = "tiny", "32,64", 256, args.extra_seqs and "64"

@@ -53,7 +53,11 @@ def import_vllm(cfg: Config) -> bool:
     if on_cpu:
         cpu_env_defaults(cfg)
     else:
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", cfg.generator.engine_start)
+        start = cfg.generator.engine_start
+        if start == "auto":
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        else:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start
     import vllm  # noqa: F401
     import vllm.v1.engine.async_llm  # noqa: F401
 

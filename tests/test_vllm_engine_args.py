@@ -59,9 +59,11 @@ def test_auto_dtype_on_an_x86_cpu_without_bf16_instructions_is_float32(tmp_path,
     assert _args(on_cpu=True)["dtype"] == "auto"
 
 
-@pytest.mark.parametrize("start", ["spawn", "fork"])
+@pytest.mark.parametrize(("start", "env", "want"), [("spawn", None, "spawn"), ("fork", None, "fork"),
+                                                    ("fork", "spawn", "fork"), ("spawn", "fork", "spawn"),
+                                                    ("auto", None, "spawn"), ("auto", "fork", "fork")])
 def test_on_cuda_the_engine_core_starts_as_configured_and_the_cuda_check_leaves_cuda_uninitialised(
-        start, monkeypatch):
+        start, env, want, monkeypatch):
     import torch
     import vllm.v1.engine.async_llm  # noqa: F401  (imported for real first: only the generator's check is faked)
 
@@ -69,6 +71,8 @@ def test_on_cuda_the_engine_core_starts_as_configured_and_the_cuda_check_leaves_
 
     for var in ("VLLM_WORKER_MULTIPROC_METHOD", "PYTORCH_NVML_BASED_CUDA_CHECK"):
         monkeypatch.delenv(var, raising=False)
+    if env is not None:
+        monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", env)
     asked = []
 
     def is_available():  # what torch reads when it decides how to look for a GPU
@@ -78,7 +82,7 @@ def test_on_cuda_the_engine_core_starts_as_configured_and_the_cuda_check_leaves_
     monkeypatch.setattr(torch.cuda, "is_available", is_available)
     assert vllm_engine.import_vllm(load_config(None, [f"generator.engine_start={start}"])) is False
     assert asked == ["1"]
-    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == start
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == want
 
 
 def test_an_unknown_engine_start_is_one_clear_error():
