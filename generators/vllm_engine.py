@@ -61,7 +61,61 @@ def import_vllm(cfg: Config) -> bool:
     import vllm  # noqa: F401
     import vllm.v1.engine.async_llm  # noqa: F401
 
+    inspect_models_in_a_fork()
     return on_cpu
+
+
+def inspect_models_in_a_fork() -> None:
+    """vLLM inspects a model's class (`_ModelInfo`: its capabilities) in a fresh interpreter,
+    `python -m vllm.model_executor.models.registry`, so that its own process never initialises CUDA;
+    where that answer is not cached yet (a new VLLM_CACHE_ROOT, a new vLLM) the child imports torch
+    and vLLM again: 15-25 s of a cold start, before the engine even begins. This process has imported
+    both already and leaves CUDA alone (its CUDA check goes through NVML), so a fork of it gives the
+    same answer in about a second; the child sends it back as the JSON vLLM's own cache file holds.
+    Anything unexpected (another vLLM, an answer that is not a `_ModelInfo`) goes to vLLM's way."""
+    try:
+        from vllm.model_executor.models import registry
+    except ImportError:
+        return
+    original = getattr(registry, "_run_in_subprocess", None)
+    info_cls = getattr(registry, "_ModelInfo", None)
+    if original is None or info_cls is None or getattr(original, "asyncrl_fork", False):
+        return
+
+    def run_in_fork(fn):
+        import dataclasses
+        import json
+
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: answer, write, leave without running any of the parent's exit handlers
+            code = 1
+            try:
+                os.close(r)
+                info = fn()
+                if isinstance(info, info_cls):
+                    with os.fdopen(w, "w") as out:
+                        json.dump(dataclasses.asdict(info), out)
+                    code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as inp:
+            text = inp.read()
+        _, status = os.waitpid(pid, 0)
+        if status == 0 and text:
+            try:
+                fields = json.loads(text)
+                for f in dataclasses.fields(info_cls):  # JSON has lists only
+                    if isinstance(fields.get(f.name), list) and "tuple" in str(f.type).lower():
+                        fields[f.name] = tuple(fields[f.name])
+                return info_cls(**fields)
+            except (TypeError, ValueError) as e:
+                log.warning("model inspection in a fork gave %s: vLLM's own subprocess instead", e)
+        return original(fn)
+
+    run_in_fork.asyncrl_fork = True
+    registry._run_in_subprocess = run_in_fork
 
 
 def sleep_enabled(cfg: Config, on_cpu: bool) -> bool:
@@ -132,7 +186,11 @@ def engine_args(cfg: Config, model_path: str, on_cpu: bool) -> dict:
         disable_log_stats=True,
     )
     if not g.torch_compile and not g.enforce_eager:
-        kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL"}
+        # Full graphs for decode-only batches; batches with a prefill run eager. Plain FULL would also
+        # replay graphs for mixed prefill-decode batches wherever the attention backend claims it can
+        # (FlashAttention 3 does), and on vLLM 0.25 those corrupt generation: the sampling policy
+        # drifted from the trained one (sampled-token entropy 3-4 nats against the learner's 0.2).
+        kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * 2**30)
     elif g.kv_cache_memory_gb:

@@ -13,10 +13,11 @@ def _args(*overrides: str, on_cpu: bool = False) -> dict:
     return engine_args(load_config(None, list(overrides)), "/models/m", on_cpu)
 
 
-def test_without_torch_compile_the_engine_keeps_full_cuda_graphs_and_skips_the_compile():
+def test_without_torch_compile_the_engine_keeps_full_cuda_graphs_for_decode_only_and_skips_the_compile():
     assert "compilation_config" not in _args("generator.enforce_eager=false")
     args = _args("generator.enforce_eager=false", "generator.torch_compile=false")
-    assert args["compilation_config"] == {"mode": "NONE", "cudagraph_mode": "FULL"}
+    # Not plain FULL: that replays graphs for batches with a prefill too, which corrupts generation.
+    assert args["compilation_config"] == {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
     # Eager already compiles nothing and captures no graph.
     assert "compilation_config" not in _args("generator.enforce_eager=true", "generator.torch_compile=false")
 
@@ -88,3 +89,34 @@ def test_on_cuda_the_engine_core_starts_as_configured_and_the_cuda_check_leaves_
 def test_an_unknown_engine_start_is_one_clear_error():
     with pytest.raises(ConfigError, match="engine_start"):
         load_config(None, ["generator.engine_start=thread"])
+
+
+def test_a_model_class_is_inspected_in_a_fork_of_this_process_with_vllm_s_answer(monkeypatch):
+    import time
+
+    from vllm.model_executor.models import registry
+
+    from generators import vllm_engine
+
+    fallback = []
+
+    def vllm_s_subprocess(fn):  # stands in for `python -m ...registry`, which would import vLLM again
+        fallback.append(fn)
+        return "from vLLM's subprocess"
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", vllm_s_subprocess)
+    vllm_engine.inspect_models_in_a_fork()
+    vllm_engine.inspect_models_in_a_fork()  # once only: not a fork wrapped around a fork
+    run = registry._run_in_subprocess
+    assert run.asyncrl_fork and run is not vllm_s_subprocess
+    llama = registry.ModelRegistry.models["LlamaForCausalLM"]
+
+    def inspect():
+        return registry._ModelInfo.from_model_cls(llama.load_model_cls())
+
+    t0 = time.monotonic()
+    info = run(inspect)
+    assert time.monotonic() - t0 < 10
+    assert info == inspect() and info.is_text_generation_model and not fallback
+    # An answer that is not a model's description goes to vLLM's own way.
+    assert run(lambda: 42) == "from vLLM's subprocess" and len(fallback) == 1

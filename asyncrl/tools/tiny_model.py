@@ -87,11 +87,21 @@ def warm_start(model, tokenizer, num_steps: int, seed: int, lr: float = 3e-3, ba
         input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
         label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
         attn = (torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]).long()
-        loss = model(input_ids=input_ids.to(device), attention_mask=attn.to(device), labels=label_ids.to(device)).loss
-        loss.backward()
+        # Rows in chunks of at most 8,192 tokens, gradients accumulated: long copies (hundreds of
+        # letters) would otherwise hold the whole batch's fp32 activations at once.
+        rows_per = max(1, 8192 // width)
+        total = int((label_ids != -100).sum())
+        loss_sum = 0.0
+        for i in range(0, len(ids), rows_per):
+            sl = slice(i, i + rows_per)
+            n = int((label_ids[sl] != -100).sum())
+            loss = model(input_ids=input_ids[sl].to(device), attention_mask=attn[sl].to(device),
+                         labels=label_ids[sl].to(device)).loss
+            (loss * (n / total)).backward()
+            loss_sum += float(loss.detach()) * n
         opt.step()
         opt.zero_grad()
-        loss_value = float(loss.detach())
+        loss_value = loss_sum / total
     model.eval()
     model.to("cpu")
     if device.startswith("cuda"):  # the activations' cached blocks would stay reserved in this process
