@@ -189,7 +189,7 @@ def engine_args(cfg: Config, model_path: str, on_cpu: bool) -> dict:
         # Full graphs for decode-only batches; batches with a prefill run eager. Plain FULL would also
         # replay graphs for mixed prefill-decode batches wherever the attention backend claims it can
         # (FlashAttention 3 does), and on vLLM 0.25 those corrupt generation: the sampling policy
-        # drifted from the trained one (sampled-token entropy up to 4.8 nats against the learner's 0.1-0.3).
+        # drifted from the trained one (sampled-token entropy 2.0-5.5 nats against the learner's 0.1-1.5).
         kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * 2**30)
