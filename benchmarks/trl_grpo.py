@@ -245,9 +245,6 @@ def cmd_train(args) -> int:
     cuda = torch.cuda.is_available()
     use_vllm = args.vllm == "on" or (args.vllm == "auto" and cuda)
     settings = trl_settings(cfg, cuda, use_vllm)
-    if use_vllm:  # one process: vLLM's engine in it, and torch.distributed's rendezvous on loopback
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-            os.environ.setdefault(k, v)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     chat = cfg.data.chat_template and bool(getattr(tokenizer, "chat_template", None))
     train = get_task(cfg.data.task).train_rows(cfg)

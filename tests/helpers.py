@@ -1,24 +1,38 @@
 """Small builders shared by tests (not fixtures)."""
 
 import contextlib
+import os
+import sys
 import time
 
 from asyncrl.protocol import schema
 
 
 @contextlib.contextmanager
-def gloo_group(rank: int, port: int, world_size: int = 2):
-    """A gloo process group for a spawned test rank. On a clean exit every rank waits at a barrier
-    before the group is destroyed: a rank that leaves while another is still sending its results
-    closes the sockets under the other's gloo I/O thread, which aborts that process (SIGABRT)."""
+def gloo_group(rank: int, port: int, q=None, world_size: int = 2):
+    """A gloo process group for a spawned test rank; the rank's process ends with the block.
+
+    On a clean exit every rank waits at a barrier, destroys the group, flushes `q` (the queue it
+    reports through) and leaves with `os._exit(0)`. The interpreter's own teardown is skipped on
+    purpose: FSDP modules keep the group alive in reference cycles, and gloo's threads destroyed
+    during finalization, in no set order, can abort the process ("terminate called without an
+    active exception"). An exception propagates as usual and fails the rank."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         yield
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    if q is not None:
+        q.close()
+        q.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make_group(group_id="p0@e0", num_samples=4, num_tokens=3, version=0, reward=0.5, generator_id="gt"):

@@ -189,7 +189,7 @@ def _clip_worker(rank: int, port: int, q) -> None:
 
     from learners.step import clip_grad_norm
 
-    with gloo_group(rank, port):
+    with gloo_group(rank, port, q):
         plain = tiny_lm(tied=True)
         sharded = copy.deepcopy(plain)
         for layer in sharded.model.layers:

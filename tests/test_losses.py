@@ -46,7 +46,7 @@ def test_reinforce_pp_baseline():
 def _whiten_worker(rank: int, port: int, q) -> None:
     import torch.distributed as dist
 
-    with gloo_group(rank, port):
+    with gloo_group(rank, port, q):
         x, mask = _whiten_batch()
         rows = slice(0, 2) if rank == 0 else slice(2, 5)  # unequal shares, different token counts
         got = A.whiten(x[rows], mask[rows], eps=0.0, all_reduce=dist.all_reduce)

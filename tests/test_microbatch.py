@@ -197,7 +197,7 @@ def test_k_minibatches_take_k_optimizer_steps_each_group_once_per_epoch(monkeypa
 def _ws_worker(rank: int, port: int, aggregation: str, q) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    with gloo_group(rank, port):
+    with gloo_group(rank, port, q):
         cfg = load_config(None, [f"algorithm.aggregation={aggregation}"])
         model = tiny_lm(dtype=torch.float64)
         for layer in model.model.layers:
