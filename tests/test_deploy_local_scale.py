@@ -3,7 +3,6 @@ away without failing the run."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -11,13 +10,13 @@ import time
 import pytest
 
 from asyncrl.protocol.keys import Keys, connect
+from tests.helpers import jsonl_rows
 
 pytestmark = pytest.mark.slow
 
 
 def _rows(run_dir):
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return jsonl_rows(run_dir / "metrics.jsonl")
 
 
 def _wait(cond, timeout_s, what, log):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.launch.redis_server import free_port
+from tests.helpers import jsonl_rows
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,7 @@ def ray_head(tmp_path_factory):
 
 
 def _rows(run_dir):
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return jsonl_rows(run_dir / "metrics.jsonl")
 
 
 def test_submit_ray_runs_to_completion_and_survives_a_killed_generator(ray_head, tmp_path, tiny_model):

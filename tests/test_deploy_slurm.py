@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import pytest
 
 from asyncrl.protocol.keys import Keys, connect
 from tests import slurm_cluster
+from tests.helpers import jsonl_rows
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +46,7 @@ def _submit(slurm, tmp_path, tiny_model, name, num_generators, *extra):
 
 
 def _rows(run_dir):
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return jsonl_rows(run_dir / "metrics.jsonl")
 
 
 def _wait(cond, timeout_s, what, diag):

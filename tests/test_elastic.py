@@ -2,7 +2,6 @@
 serves the current version; a generator killed with SIGKILL mid-run does not hang the learner; after
 every sync the generators' received buckets match the learner's checksums."""
 
-import json
 import sys
 import time
 
@@ -11,11 +10,11 @@ import pytest
 from asyncrl.config import dump_yaml, load_config
 from asyncrl.launch.redis_server import LocalRedis
 from asyncrl.protocol.keys import Keys, connect
-from tests.helpers import Procs
+from tests.helpers import Procs, jsonl_rows
 
 
 def _rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return jsonl_rows(path)
 
 
 def _events(client, keys):

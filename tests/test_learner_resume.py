@@ -16,7 +16,7 @@ from asyncrl.launch.redis_server import LocalRedis
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
-from tests.helpers import fixed_groups
+from tests.helpers import fixed_groups, jsonl_rows
 
 STEPS, GROUPS = 6, 4
 
@@ -47,8 +47,7 @@ def _learner(path, log):
 
 
 def _rows(cfg):
-    p = cfg.run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+    return jsonl_rows(cfg.run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ process it started, in under 5 s without a traceback."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import psutil
 import pytest
 
 from asyncrl.protocol.tcpstore import master_store
+from tests.helpers import jsonl_rows
 
 
 def test_master_store_listens_on_the_given_host_only():
@@ -38,8 +38,7 @@ def _listeners(procs) -> list[tuple[str, str, int]]:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    p = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+    return jsonl_rows(run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow

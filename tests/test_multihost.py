@@ -22,7 +22,7 @@ from asyncrl.config import DEFAULT_CONFIG, load_config
 from asyncrl.protocol import schema, security
 from asyncrl.protocol.keys import Keys
 from tests import multihost
-from tests.helpers import Procs
+from tests.helpers import Procs, jsonl_rows
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "deploy.md"
@@ -63,7 +63,7 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return jsonl_rows(path)
 
 
 def _handshake(addr: str, configure) -> list[str]:

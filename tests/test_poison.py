@@ -4,7 +4,6 @@ nor stop training: the buffer refuses it with a counted reason, and a learner th
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from tests.buffer_support import push, start_thread, wait_for
-from tests.helpers import fixed_groups, make_group
+from tests.helpers import fixed_groups, jsonl_rows, make_group
 
 VOCAB = 128  # the tiny model's
 
@@ -72,8 +71,7 @@ def test_buffer_refuses_semantic_poison_with_a_counted_reason_and_logs_once_per_
 
 
 def _rows(cfg):
-    p = cfg.run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+    return jsonl_rows(cfg.run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow
