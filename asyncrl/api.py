@@ -17,7 +17,6 @@ and it only when used, so `import asyncrl` stays instant.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -160,13 +159,9 @@ class Run:
         # The launcher sets an earlier run's metrics.jsonl aside before it writes config.yaml.
         if not started.exists() or started.stat().st_mtime_ns == self._earlier_stamp:
             return []
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        lines = path.read_text().splitlines()
-        if lines and not lines[-1].endswith("}"):
-            lines.pop()  # a row being written
-        return [json.loads(line) for line in lines if line.strip()]
+        from asyncrl.observe.metrics import complete_rows
+
+        return complete_rows(self.run_dir / "metrics.jsonl")
 
     def follow(self, poll_s: float = 0.5, timeout_s: float | None = None) -> Iterator[dict]:
         """Yields each new metrics row as the learner writes it, until the run ends (or `timeout_s`)."""

@@ -1,23 +1,11 @@
 """Small builders shared by tests (not fixtures)."""
 
 import contextlib
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from asyncrl.protocol import schema
-
-
-def jsonl_rows(path) -> list[dict]:
-    """The complete rows of a JSON-lines file another process may be appending to: a last line without
-    its newline is a row still being written, left for the next read. No file: no rows."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 @contextlib.contextmanager

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol.keys import Keys, connect
-from tests.helpers import jsonl_rows
 
 pytestmark = pytest.mark.slow
 
 
 def _rows(run_dir):
-    return jsonl_rows(run_dir / "metrics.jsonl")
+    return complete_rows(run_dir / "metrics.jsonl")
 
 
 def _wait(cond, timeout_s, what, log):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.launch.redis_server import free_port
-from tests.helpers import jsonl_rows
+from asyncrl.observe.metrics import complete_rows
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def ray_head(tmp_path_factory):
 
 
 def _rows(run_dir):
-    return jsonl_rows(run_dir / "metrics.jsonl")
+    return complete_rows(run_dir / "metrics.jsonl")
 
 
 def test_submit_ray_runs_to_completion_and_survives_a_killed_generator(ray_head, tmp_path, tiny_model):

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol.keys import Keys, connect
 from tests import slurm_cluster
-from tests.helpers import jsonl_rows
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def _submit(slurm, tmp_path, tiny_model, name, num_generators, *extra):
 
 
 def _rows(run_dir):
-    return jsonl_rows(run_dir / "metrics.jsonl")
+    return complete_rows(run_dir / "metrics.jsonl")
 
 
 def _wait(cond, timeout_s, what, diag):

@@ -9,12 +9,13 @@ import pytest
 
 from asyncrl.config import dump_yaml, load_config
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol.keys import Keys, connect
-from tests.helpers import Procs, jsonl_rows
+from tests.helpers import Procs
 
 
 def _rows(path):
-    return jsonl_rows(path)
+    return complete_rows(path)
 
 
 def _events(client, keys):

@@ -13,10 +13,11 @@ import pytest
 from asyncrl.config import dump_yaml, load_config
 from asyncrl.launch.launcher import kill_tree
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
-from tests.helpers import fixed_groups, jsonl_rows
+from tests.helpers import fixed_groups
 
 STEPS, GROUPS = 6, 4
 
@@ -47,7 +48,7 @@ def _learner(path, log):
 
 
 def _rows(cfg):
-    return jsonl_rows(cfg.run_dir / "metrics.jsonl")
+    return complete_rows(cfg.run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol.tcpstore import master_store
-from tests.helpers import jsonl_rows
 
 
 def test_master_store_listens_on_the_given_host_only():
@@ -38,7 +38,7 @@ def _listeners(procs) -> list[tuple[str, str, int]]:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return jsonl_rows(run_dir / "metrics.jsonl")
+    return complete_rows(run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow

@@ -19,10 +19,11 @@ import redis as redispy
 import yaml
 
 from asyncrl.config import DEFAULT_CONFIG, load_config
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol import schema, security
 from asyncrl.protocol.keys import Keys
 from tests import multihost
-from tests.helpers import Procs, jsonl_rows
+from tests.helpers import Procs
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "deploy.md"
@@ -63,7 +64,7 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def _rows(path: Path) -> list[dict]:
-    return jsonl_rows(path)
+    return complete_rows(path)
 
 
 def _handshake(addr: str, configure) -> list[str]:

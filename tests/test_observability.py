@@ -169,6 +169,27 @@ def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
     assert [h.histogram_value.num for h in acc.Histograms("lag_hist")] == [5, 6, 7]
 
 
+def test_readers_of_a_live_metrics_file_skip_the_row_being_written(tmp_path):
+    from asyncrl.observe.ended import last_metrics_row
+    from asyncrl.observe.metrics import JsonlBackend, complete_rows
+    from asyncrl.observe.plot import load_rows
+
+    path = tmp_path / "metrics.jsonl"
+    assert complete_rows(path) == [] and last_metrics_row(tmp_path) is None
+    backend = JsonlBackend(path)
+    for step in (1, 2):
+        backend.log(step, {"step": step, "loss": 0.1 * step})
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": 3, "loss": 0.3})[:9])  # the learner is half-way through row 3
+    assert [r["step"] for r in complete_rows(path)] == [1, 2]
+    assert [r["step"] for r in load_rows(tmp_path)] == [1, 2]
+    assert last_metrics_row(tmp_path)["step"] == 2
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": 3, "loss": 0.3})[9:] + "\n")
+    assert [r["step"] for r in complete_rows(path)] == [1, 2, 3]
+    assert last_metrics_row(tmp_path)["step"] == 3
+
+
 def test_watchdog_sees_the_learner_stuck_inside_a_weight_broadcast(redis_server):
     from asyncrl.protocol import schema
 

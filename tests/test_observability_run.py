@@ -24,8 +24,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.config import load_config
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol.keys import Keys, connect
-from tests.helpers import jsonl_rows
 
 STALENESS_KEYS = ("lag_mean", "lag_max", "sample_age_s", "is_weight_mean", "is_weight_max", "ess", "clip_frac",
                   "is_capped_frac", "masked_frac", "dropped_frac", "sync_s", "idle_ratio")
@@ -51,7 +51,7 @@ def _tail(path, n=4000):
 
 
 def _rows(run_dir):
-    return jsonl_rows(run_dir / "metrics.jsonl")
+    return complete_rows(run_dir / "metrics.jsonl")
 
 
 def _client(run_dir):

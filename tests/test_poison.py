@@ -13,11 +13,12 @@ import pytest
 
 from asyncrl.config import dump_yaml, load_config
 from asyncrl.launch.redis_server import LocalRedis
+from asyncrl.observe.metrics import complete_rows
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, connect
 from asyncrl.protocol.store import LEARNER_GROUP, ensure_groups
 from tests.buffer_support import push, start_thread, wait_for
-from tests.helpers import fixed_groups, jsonl_rows, make_group
+from tests.helpers import fixed_groups, make_group
 
 VOCAB = 128  # the tiny model's
 
@@ -71,7 +72,7 @@ def test_buffer_refuses_semantic_poison_with_a_counted_reason_and_logs_once_per_
 
 
 def _rows(cfg):
-    return jsonl_rows(cfg.run_dir / "metrics.jsonl")
+    return complete_rows(cfg.run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow

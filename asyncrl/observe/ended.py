@@ -9,7 +9,6 @@ redis-server on a free loopback port, read, and thrown away; the run folder is n
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.observe.metrics import complete_rows
 
 
 @dataclass
@@ -72,11 +72,8 @@ def open_run(cfg: Config, url: str, given: bool = False) -> Iterator[RunRedis]:
 
 
 def last_metrics_row(run_dir: Path) -> dict | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    lines = path.read_text().splitlines()
-    return json.loads(lines[-1]) if lines else None
+    rows = complete_rows(run_dir / "metrics.jsonl")
+    return rows[-1] if rows else None
 
 
 def newest_weights(cfg: Config) -> tuple[str, str]:

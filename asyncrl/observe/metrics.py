@@ -31,6 +31,16 @@ def scalars(row: dict) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def complete_rows(path: Path | str) -> list[dict]:
+    """The rows of a JSON-lines file another process may be appending to (a run's `metrics.jsonl`): a
+    last line without its newline is a row still being written, left for the next read. No file: no rows."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 class JsonlBackend:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,10 @@ when the run had evaluation rounds. `--x time` puts wall-clock minutes on the x 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
+
+from asyncrl.observe.metrics import complete_rows
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ def load_rows(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: pass the run directory ({{run.dir}}/{{run.name}})")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = complete_rows(path)
     if not rows:
         raise ValueError(f"{path} has no rows yet: wait for the first learner step")
     return rows
