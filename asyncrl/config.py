@@ -273,10 +273,12 @@ class GeneratorConfig(Section):
     false: no compile, full CUDA graphs for decode steps only (vLLM's compilation mode NONE): the engine
     starts without the compile, at some cost in generation speed"""
     engine_start: Literal["auto", "spawn", "fork"] = "auto"
-    """CUDA only: how vLLM starts its engine core process. spawn: a fresh interpreter, which imports
-    torch and vLLM a second time; fork: a copy of the generator process, which has imported both
-    already and never initialised CUDA (vLLM itself falls back to spawn if CUDA was initialised).
-    auto: VLLM_WORKER_MULTIPROC_METHOD where it is set, else spawn. spawn and fork override that variable."""
+    """How vLLM starts its engine core process. spawn: a fresh interpreter, which imports torch and vLLM
+    a second time; fork: a copy of the generator process, which has imported both already and never
+    initialised CUDA (vLLM itself falls back to spawn if CUDA was initialised). auto: on CUDA,
+    VLLM_WORKER_MULTIPROC_METHOD where it is set, else spawn; on CPU, fork in a generator process with
+    one worker (it has run no torch computation, so no OpenMP threads, whose fork would hang), else spawn.
+    spawn and fork override that variable."""
     vllm_kwargs: dict[str, Any] = {}
     """more vLLM engine arguments (`AsyncEngineArgs`), applied last, e.g.
     `{kernel_config: {enable_flashinfer_autotune: false}}`; not the ones the generator relies on

@@ -206,7 +206,12 @@ def _leave_during_start(signum, _frame) -> None:
     raise _SignalledDuringStart(signal.Signals(signum).name)
 
 
-def main(cfg: Config, generator_id: str) -> None:
+def main(cfg: Config, generator_id: str, torch_unused: bool = False) -> None:
+    """`torch_unused`: nothing in this process has computed with torch yet (vLLM on CPU may fork then)."""
+    if torch_unused and cfg.generator.backend == "vllm":
+        from generators import vllm_engine
+
+        vllm_engine.TORCH_UNUSED = True
     # Until run() installs the drain on the event loop, a signal ends the start-up (exit 0) instead
     # of killing the process with it (-15) or a KeyboardInterrupt traceback.
     for sig in (signal.SIGTERM, signal.SIGINT):

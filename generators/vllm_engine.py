@@ -31,6 +31,21 @@ def cpu_env_defaults(cfg: Config) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if cfg.generator.tensor_parallel_size == 1 else "1")
 
 
+# Set by `asyncrl generator` (generators/entry.py) where nothing in its process has computed with torch.
+TORCH_UNUSED = False
+
+
+def cpu_engine_fork(cfg: Config) -> bool:
+    """Whether the CPU build's engine core process is forked from this one rather than spawned (a
+    spawned one imports torch and vLLM again: 8 of the tiny engine's 11 s to come up on two cores).
+    A fork is safe only while this process has never run torch's OpenMP threads: a child forked after
+    that hangs in its first parallel region. So `auto` forks in an `asyncrl generator` process that did
+    not write the tiny model (the only torch computation it runs before its engine), with one worker
+    (the executor vLLM runs in-process)."""
+    start = cfg.generator.engine_start
+    return start == "fork" or (start == "auto" and TORCH_UNUSED and cfg.generator.tensor_parallel_size == 1)
+
+
 STAGE_POLL_S = 0.002  # first interval at which update_weights asks the workers whether staging is done
 STAGE_POLL_MAX_S = 0.02  # the interval doubles up to this
 STAGED_JOIN_S = 5.0  # how long the paused load waits for a staging thread that has not finished
@@ -205,6 +220,7 @@ class VllmEngine:
         from vllm import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
 
         kwargs = engine_args(cfg, model_path, on_cpu)
         self._init_sleep(cfg, on_cpu)
@@ -214,11 +230,20 @@ class VllmEngine:
         self._children_before = child_pids()  # what shutdown must not kill: not the engine's
         # The batch sizes of vLLM's offline `LLM` for this device where the config leaves them at 0:
         # the engine's own default (128 sequences, 2048 tokens a step) cuts a step's samples into waves.
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
+        args = AsyncEngineArgs(**kwargs)
+        vllm_config = args.create_engine_config(UsageContext.LLM_CLASS)
+        if on_cpu and cpu_engine_fork(cfg):
+            # vLLM's CPU platform has just set spawn while it built the configuration.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        self.engine = AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                               log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                               usage_context=UsageContext.LLM_CLASS)
         self.num_workers = cfg.generator.tensor_parallel_size
         sched = self.engine.vllm_config.scheduler_config
-        log.info("vLLM engine up in %.1fs (model=%s, cpu=%s, max_num_seqs=%d, max_num_batched_tokens=%d)",
-                 time.perf_counter() - t0, model_path, on_cpu, sched.max_num_seqs, sched.max_num_batched_tokens)
+        log.info("vLLM engine up in %.1fs (model=%s, cpu=%s, engine core by %s, max_num_seqs=%d, "
+                 "max_num_batched_tokens=%d)", time.perf_counter() - t0, model_path, on_cpu,
+                 os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"), sched.max_num_seqs,
+                 sched.max_num_batched_tokens)
         self.cfg = cfg
         self.loaded_version: int | None = None  # None: the weights on disk (the generator's version applies)
         self.weights_backend = "gloo"  # the weight group's, from the last join

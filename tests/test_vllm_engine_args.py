@@ -86,6 +86,29 @@ def test_on_cuda_the_engine_core_starts_as_configured_and_the_cuda_check_leaves_
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == want
 
 
+@pytest.mark.parametrize(("start", "torch_unused", "tp", "want"), [
+    ("auto", True, 1, True), ("auto", False, 1, False), ("auto", True, 2, False),
+    ("fork", False, 1, True), ("spawn", True, 1, False)])
+def test_on_cpu_auto_forks_the_engine_core_only_from_a_process_that_never_ran_torch(
+        start, torch_unused, tp, want, monkeypatch):
+    from generators import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "TORCH_UNUSED", torch_unused)
+    cfg = load_config(None, [f"generator.engine_start={start}", f"generator.tensor_parallel_size={tp}"])
+    assert vllm_engine.cpu_engine_fork(cfg) is want
+
+
+def test_a_generator_that_writes_the_tiny_model_itself_is_told_it_ran_torch(tmp_path, monkeypatch):
+    from generators import entry
+
+    told = []
+    monkeypatch.setattr(entry, "run_generator", lambda cfg, gid, torch_unused: told.append(torch_unused))
+    cfg = load_config(None, [f"run.dir={tmp_path}", "generator.backend=hf", "model.tiny.warm_start_steps=1"])
+    entry.main(cfg, "g0")  # writes the tiny model: its warm start trains in this process
+    entry.main(cfg, "g1")  # finds it written
+    assert told == [False, True]
+
+
 def test_an_unknown_engine_start_is_one_clear_error():
     with pytest.raises(ConfigError, match="engine_start"):
         load_config(None, ["generator.engine_start=thread"])

@@ -35,21 +35,28 @@ GRACE_S = 20.0
 
 def ensure_model(cfg: Config) -> str:
     """Writes the tiny model when `model.path` is empty; safe when several roles race to do it."""
+    write_model_if_missing(cfg)
+    return cfg.model_path
+
+
+def write_model_if_missing(cfg: Config) -> bool:
+    """`ensure_model`; True when this process wrote the tiny model (and so ran torch: its warm start)."""
     if cfg.model.path:
-        return cfg.model.path
+        return False
     path = Path(cfg.model_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".tiny-model.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "model.safetensors").exists():
-            from asyncrl.tools.tiny_model import write_tiny_model
+        if (path / "model.safetensors").exists():
+            return False
+        from asyncrl.tools.tiny_model import write_tiny_model
 
-            log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny.warm_start_steps)
-            write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny.warm_start_steps,
-                             warm_start_lr=cfg.model.tiny.warm_start_lr,
-                             copy_len=(cfg.data.min_len, cfg.data.max_len),
-                             max_positions=max(512, cfg.generator.max_model_len), **cfg.tiny_shape())
-    return str(path)
+        log.info("writing tiny model to %s (warm start %d steps)", path, cfg.model.tiny.warm_start_steps)
+        write_tiny_model(path, seed=cfg.run.seed, warm_start_steps=cfg.model.tiny.warm_start_steps,
+                         warm_start_lr=cfg.model.tiny.warm_start_lr,
+                         copy_len=(cfg.data.min_len, cfg.data.max_len),
+                         max_positions=max(512, cfg.generator.max_model_len), **cfg.tiny_shape())
+        return True
 
 
 def model_ready(cfg: Config) -> bool:
