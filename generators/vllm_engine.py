@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -44,6 +45,31 @@ def cpu_engine_fork(cfg: Config) -> bool:
     (the executor vLLM runs in-process)."""
     start = cfg.generator.engine_start
     return start == "fork" or (start == "auto" and TORCH_UNUSED and cfg.generator.tensor_parallel_size == 1)
+
+
+def signals_stay_in_forked_children() -> None:
+    """Once per process: a child forked from here (vLLM's engine core with engine_start=fork) starts
+    with the default SIGTERM and SIGINT and no wakeup fd. It would otherwise inherit Python's wakeup
+    fd, the socket on which this process's event loop learns of its own signals: vLLM's SIGTERM to
+    its engine core at shutdown would reach the generator's loop as a second SIGTERM of its own (and
+    cut its drain short). vLLM's engine core installs its own handlers once it runs."""
+    global _SIGNALS_RESET_AT_FORK
+    if _SIGNALS_RESET_AT_FORK:
+        return
+    os.register_at_fork(after_in_child=_default_signals)
+    _SIGNALS_RESET_AT_FORK = True
+
+
+_SIGNALS_RESET_AT_FORK = False
+
+
+def _default_signals() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+    except ValueError:  # forked from a thread other than the main one: no handlers of this process's to drop
+        pass
 
 
 STAGE_POLL_S = 0.002  # first interval at which update_weights asks the workers whether staging is done
@@ -235,6 +261,8 @@ class VllmEngine:
         if on_cpu and cpu_engine_fork(cfg):
             # vLLM's CPU platform has just set spawn while it built the configuration.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork") == "fork":
+            signals_stay_in_forked_children()
         self.engine = AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                                log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
                                usage_context=UsageContext.LLM_CLASS)

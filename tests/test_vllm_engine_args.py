@@ -2,6 +2,8 @@
 pass-through of more engine arguments, and the ones that pass-through may not replace."""
 
 import os
+import signal
+import time
 
 import pytest
 
@@ -107,6 +109,33 @@ def test_a_generator_that_writes_the_tiny_model_itself_is_told_it_ran_torch(tmp_
     entry.main(cfg, "g0")  # writes the tiny model: its warm start trains in this process
     entry.main(cfg, "g1")  # finds it written
     assert told == [False, True]
+
+
+def _signal_myself():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)  # a SIGTERM that kills the child does not get here
+
+
+def test_a_sigterm_to_a_forked_engine_core_does_not_reach_the_generators_event_loop():
+    import asyncio
+    import multiprocessing
+
+    from generators import vllm_engine
+
+    loop = asyncio.new_event_loop()
+    got = []
+    loop.add_signal_handler(signal.SIGTERM, got.append, "SIGTERM")  # as a generator's drain does
+    try:
+        vllm_engine.signals_stay_in_forked_children()
+        child = multiprocessing.get_context("fork").Process(target=_signal_myself)
+        child.start()
+        child.join(10)
+        loop.run_until_complete(asyncio.sleep(0.5))  # time for a stray signal byte to arrive
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        loop.close()
+    assert child.exitcode == -signal.SIGTERM  # the child died of it, under the default action
+    assert got == []
 
 
 def test_an_unknown_engine_start_is_one_clear_error():
