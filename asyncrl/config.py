@@ -276,9 +276,9 @@ class GeneratorConfig(Section):
     """How vLLM starts its engine core process. spawn: a fresh interpreter, which imports torch and vLLM
     a second time; fork: a copy of the generator process, which has imported both already and never
     initialised CUDA (vLLM itself falls back to spawn if CUDA was initialised). auto: on CUDA,
-    VLLM_WORKER_MULTIPROC_METHOD where it is set, else spawn; on CPU, fork in a generator process with
-    one worker (it has run no torch computation, so no OpenMP threads, whose fork would hang), else spawn.
-    spawn and fork override that variable."""
+    VLLM_WORKER_MULTIPROC_METHOD where it is set, else spawn; on CPU, fork in an `asyncrl generator`
+    process with one worker that did not write the tiny model itself (it has run no torch computation,
+    so no OpenMP threads, whose fork would hang), else spawn. spawn and fork override that variable."""
     vllm_kwargs: dict[str, Any] = {}
     """more vLLM engine arguments (`AsyncEngineArgs`), applied last, e.g.
     `{kernel_config: {enable_flashinfer_autotune: false}}`; not the ones the generator relies on
