@@ -205,6 +205,21 @@ def make_evaluator(trainer, tokenizer, held_out, prompt_ids, reward_fn, max_toke
     return evaluate
 
 
+def train_dataset(rows: list[dict]):
+    """The training rows as a `datasets.Dataset` whose fingerprint is the SHA-256 of the rows' JSON.
+
+    Left to itself, `datasets` fingerprints a new dataset by dill-pickling its Arrow table, which fails
+    where dill cannot pickle a pyarrow type ("Can't pickle <class 'MonthDayNano'>", seen with datasets
+    5.2 and pyarrow 26 on Python 3.12); the rows are plain JSON, so their hash names them as well."""
+    import hashlib
+
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    fingerprint = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    return Dataset(InMemoryTable.from_pylist(rows), fingerprint=fingerprint)
+
+
 def cmd_train(args) -> int:
     from smollm2_curve import T_LAUNCH_ENV
 
@@ -212,7 +227,6 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
-    from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -237,8 +251,8 @@ def cmd_train(args) -> int:
         return [float(reward_fn(t, a)) for t, a in zip(texts, answer, strict=True)]
 
     reward.__name__ = cfg.reward.name
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r.prompt}] if chat else r.prompt,
-                                  "answer": r.answer} for r in train])
+    dataset = train_dataset([{"prompt": [{"role": "user", "content": r.prompt}] if chat else r.prompt,
+                              "answer": r.answer} for r in train])
     rows = Rows(out, t_launch)
     trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=reward, train_dataset=dataset,
                           processing_class=tokenizer,

@@ -43,6 +43,24 @@ def test_a_setting_trl_has_no_counterpart_for_is_refused(override, names):
         trl.trl_settings(load_config(None, [override]), cuda=False, use_vllm=False)
 
 
+def test_the_train_dataset_is_named_by_its_rows_without_pickling_its_table(monkeypatch):
+    """The dataset TRL trains on gets its fingerprint from the rows' JSON: `datasets`' own fingerprint,
+    which dill-pickles the Arrow table and fails on some pyarrow builds, is never computed."""
+    import datasets.arrow_dataset
+
+    def unpicklable(_):
+        raise TypeError("Can't pickle <class 'MonthDayNano'>")
+
+    monkeypatch.setattr(datasets.arrow_dataset, "generate_fingerprint", unpicklable)
+    trl = _bench("trl_grpo")
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + 1 ="}], "answer": str(i + 1)} for i in range(5)]
+    ds = trl.train_dataset(rows)
+    assert ds.to_list() == rows
+    assert ds._fingerprint == trl.train_dataset([dict(r) for r in rows])._fingerprint
+    assert ds._fingerprint != trl.train_dataset(rows[:4])._fingerprint
+    assert trl.train_dataset([{"prompt": "1 + 1 =", "answer": "2"}]).to_list() == [{"prompt": "1 + 1 =", "answer": "2"}]
+
+
 @pytest.mark.slow
 def test_trl_run_trains_evaluates_and_reports_a_curve(tmp_path, tiny_model):
     """Three TRL steps on the tiny model and the copy task, held-out accuracy before the first step and
