@@ -5,7 +5,9 @@ its epoch through its engine (`Engine.join`, `Engine.update_weights`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 
 from asyncrl.protocol import notify, schema
@@ -15,6 +17,9 @@ log = logging.getLogger("generators.main")  # the generator's records keep the o
 # Waits end at once on a wake-up from the notify stream (asyncrl/protocol/notify.py); this bounds them, so a
 # lost wake-up (Redis restart, a writer that does not publish one) costs at most this long.
 WEIGHTS_FALLBACK_S = 0.5  # re-read wgroup/wsync
+# Fault injection for tests: seconds a generator holds back before it takes part in each push, so that a
+# push outlasts the learner's time between steps by a known margin (the overlap test makes pushes slow).
+PUSH_DELAY_S = float(os.environ.get("ASYNCRL_FAULT_PUSH_DELAY_S", "0"))
 
 
 class WeightFollower:
@@ -74,6 +79,8 @@ class WeightFollower:
         gen, w = self.gen, self.gen.cfg.weights
         prev, gen.state = gen.state, "syncing"
         await gen.heartbeat()
+        if PUSH_DELAY_S > 0:
+            await asyncio.sleep(PUSH_DELAY_S)
         stats = await gen.engine.update_weights(ann_frame, w.mode, w.sync_timeout_s)
         gen.version = ann.version
         gen.notes.bump("held")  # sync mode's lease loop waits for this
