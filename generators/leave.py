@@ -29,6 +29,9 @@ log = logging.getLogger("generators.main")  # the generator's records keep the o
 LEAVE_MARGIN_S = 15.0  # past generator.drain_timeout_s: hand-back, confirmations, weight group, engine shutdown
 LEAVE_RESERVE_S = 8.0  # of the margin, kept for the leave record and the engine's shutdown (vLLM: up to ~5 s)
 EXIT_REDIS_S = 2.0  # one Redis call on the way out; not answered by then, Redis counts as unreachable
+# Cancelled helper tasks get this long to finish. One still running then is left behind (the outbox's
+# loop has been seen to outlast 5 s after its cancel), so that Ctrl-C still ends a run within 5 s.
+HELPERS_STOP_S = 2.0
 
 
 class WayOut:
@@ -157,7 +160,8 @@ class WayOut:
             t.cancel()
         # Bounded: a helper inside a Redis call under retry may take a moment to see the cancel.
         pending = [*helpers, *gen.inflight]
-        _, stuck = (await asyncio.wait(pending, timeout=min(5.0, max(self.left_s(), 0.5)))) if pending else ((), ())
+        _, stuck = (await asyncio.wait(pending, timeout=min(HELPERS_STOP_S, max(self.left_s(), 0.5)))
+                    if pending else ((), ()))
         if stuck:
             log.warning("generator %s: %d tasks did not stop in time; leaving anyway", gen.id, len(stuck))
         await self.bounded("leave record", self._goodbye())
