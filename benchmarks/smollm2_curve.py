@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7)
+GAINS = (5, 10, 15)  # points of held-out accuracy above the base model's
 EPISODE_EVAL = ("tool_call_frac", "tool_calls_mean", "turns_mean")  # greedy held-out episodes
 EPISODE_STEP = ("episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors_mean", "episode/solved_frac",
                 "episode/env_s_per_step", "episode/end_max_turns_frac")  # training episodes, per step
@@ -72,7 +73,7 @@ def run_for(cmd: list[str], budget_s: float) -> tuple[int, float, float, bool]:
 
 
 def cmd_run(args) -> int:
-    model = make_model(args)
+    model = Path(args.model) if args.skip_convert else make_model(args)
     name = args.name or f"smollm2_arith_{args.mode}"
     runs = Path(args.runs)
     shutil.rmtree(runs / name, ignore_errors=True)
@@ -111,6 +112,11 @@ def curve(run: Path, thresholds: tuple[float, ...] = THRESHOLDS) -> dict:
         # The same from the first step: without the start-up (vLLM's compile and graph capture).
         from_first[f"{th:.1f}"] = (None if hit is None or first_step_t is None
                                    else round(hit["t_s"] - first_step_t, 1))
+    base = points[0]["pass@1"] if points and points[0]["version"] == 0 else None
+    gain = {}  # seconds from the launch to the first evaluation at least this many points above version 0's
+    for pts in GAINS:
+        hit = None if base is None else next((p for p in points[1:] if p["pass@1"] >= base + pts / 100 - 1e-9), None)
+        gain[f"+{pts}"] = None if hit is None else hit["t_s"]
     steady = steps[len(steps) // 5:] or steps  # past the start-up steps
 
     def med(key: str) -> float | None:
@@ -121,11 +127,12 @@ def curve(run: Path, thresholds: tuple[float, ...] = THRESHOLDS) -> dict:
     return {
         "mode": meta["mode"], "wall_s": round(meta["wall_s"], 1), "steps": len(steps),
         "first_step_s": None if first_step_t is None else round(first_step_t, 1),
-        "base_pass@1": points[0]["pass@1"] if points and points[0]["version"] == 0 else None,
+        "base_pass@1": base,
         "best_pass@1": max((p["pass@1"] for p in points), default=None),
         "final_pass@1": points[-1]["pass@1"] if points else None,
         "time_to_pass@1_s": reached,
         "time_to_pass@1_from_first_step_s": from_first,
+        "time_to_base_plus_points_s": gain,
         "median_step_s": round(statistics.median(step_s), 3) if step_s else None,
         "median": {k: med(k) for k in ("step_s", "compute_s", "data_wait_s", "sync_s", "push_wait_s", "push_s",
                                         "idle_ratio", "gen_tokens_per_s",
@@ -161,7 +168,7 @@ def cmd_report(args) -> int:
     for run, label in zip(args.runs, labels, strict=True):
         c = curve(Path(run), thresholds)
         curves[label or c["mode"]] = c
-    result = {"benchmark": args.benchmark, "device": args.device, "model": "SmolLM2-135M-Instruct",
+    result = {"benchmark": args.benchmark, "device": args.device, "model": args.model_name,
               "task": args.task, "thresholds": list(thresholds), "runs": curves}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +179,8 @@ def cmd_report(args) -> int:
         t = [c["time_to_pass@1_s"][f"{th:.1f}"] for th in thresholds]
         print(f"{mode:6} {c['steps']:>5} {c['first_step_s'] or 0:>10.0f} {c['base_pass@1'] or 0:>6.3f} "
               f"{c['best_pass@1'] or 0:>6.3f} {c['final_pass@1'] or 0:>6.3f} {c['median_step_s'] or 0:>7.2f}  "
-              + "  ".join(f"{'-' if x is None else f'{x:.0f}':>6}" for x in t))
+              + "  ".join(f"{'-' if x is None else f'{x:.0f}':>6}" for x in t)
+              + "  " + "  ".join(f"t({k})={'-' if v is None else f'{v:.0f}'}" for k, v in c["time_to_base_plus_points_s"].items()))
     for mode, c in curves.items():
         if "episodes_first_tenth" in c:
             a, b = c["episodes_first_tenth"], c["episodes_last_tenth"]
@@ -184,12 +192,12 @@ def cmd_report(args) -> int:
 
     if args.png:
         plot_eval_curves({m: [(p["t_s"] / 60, p["pass@1"]) for p in c["curve"]]
-                          for m, c in curves.items()}, args.png, title=f"SmolLM2-135M-Instruct, {args.title} ({args.device})")
+                          for m, c in curves.items()}, args.png, title=f"{args.model_name}, {args.title} ({args.device})")
         print(f"wrote {args.png}")
     if args.tool_png:
         plot_eval_curves({m: [(p["t_s"] / 60, p["tool_call_frac"]) for p in c["curve"] if "tool_call_frac" in p]
                           for m, c in curves.items()}, args.tool_png,
-                         title=f"SmolLM2-135M-Instruct, {args.title}: tool calls ({args.device})",
+                         title=f"{args.model_name}, {args.title}: tool calls ({args.device})",
                          ylabel="held-out episodes with a tool call (greedy)")
         print(f"wrote {args.tool_png}")
     return 0
@@ -205,6 +213,7 @@ def main() -> int:
     r.add_argument("--model", default="models/smollm2-135m-instruct")
     r.add_argument("--dtype", default="float32", help="the model folder's dtype (the learner's master weights)")
     r.add_argument("--gguf", default="", help="a copy of the GGUF file instead of the installed package's")
+    r.add_argument("--skip-convert", action="store_true", help="--model is a model folder already")
     r.add_argument("--runs", default="runs")
     r.add_argument("--name", default="", help="the run's name (default: smollm2_arith_MODE)")
     r.add_argument("--out", required=True, help="folder for the run's metrics, eval rows and launch time")
@@ -216,6 +225,7 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--png", default="")
     p.add_argument("--device", default="H200")
+    p.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="the model, in the JSON and the plots' titles")
     p.add_argument("--benchmark", default="smollm2_arith", help="the results JSON's benchmark name")
     p.add_argument("--title", default="arithmetic", help="the task in the plots' titles")
     p.add_argument("--thresholds", default=",".join(f"{t:.1f}" for t in THRESHOLDS),

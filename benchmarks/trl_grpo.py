@@ -53,7 +53,7 @@ def cmd_run(args) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [sys.executable, __file__, "train", "--config", args.config, "--out", str(out), f"--vllm={args.vllm}",
-           f"model.path={model}", *args.overrides]
+           f"--micro-batch-seqs={args.micro_batch_seqs}", f"model.path={model}", *args.overrides]
     rc, t_launch, wall_s, stopped = run_for(cmd, args.budget_s)
     trained = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
     meta = {"mode": "trl", "config": args.config, "overrides": args.overrides, "budget_s": args.budget_s,
@@ -64,8 +64,12 @@ def cmd_run(args) -> int:
     return 0 if rc == 0 or (stopped and steps.exists() and steps.stat().st_size > 0) else 1
 
 
-def trl_settings(cfg, cuda: bool, use_vllm: bool) -> dict:
-    """GRPOConfig's arguments for an asyncrl config; a setting TRL has no counterpart for is an error."""
+def trl_settings(cfg, cuda: bool, use_vllm: bool, micro_batch_seqs: int = 0) -> dict:
+    """GRPOConfig's arguments for an asyncrl config; a setting TRL has no counterpart for is an error.
+
+    `micro_batch_seqs` sequences go through one forward/backward (0: a whole mini-batch at once); the
+    gradients of a mini-batch accumulate over its micro-batches, so one optimizer step still sees
+    learner.batch_groups x n / learner.minibatches sequences, as asyncrl's learner does."""
     g, lc, alg = cfg.generator, cfg.learner, cfg.algorithm
     losses = {"token_mean": "dapo", "seq_mean_token_mean": "grpo"}
     scales = {"grpo": "group", "dr_grpo": "none"}
@@ -76,15 +80,21 @@ def trl_settings(cfg, cuda: bool, use_vllm: bool) -> dict:
         errors.append(f"algorithm.advantage={alg.advantage} has no TRL counterpart (grpo, dr_grpo)")
     if lc.lora.enabled:
         errors.append("learner.lora.enabled=true: this baseline trains the full model")
+    sequences = lc.batch_groups * g.n
+    per_step = sequences // lc.minibatches
+    micro = micro_batch_seqs or per_step
+    if per_step % micro:
+        errors.append(f"--micro-batch-seqs {micro} does not divide the {per_step} sequences of an optimizer step")
     if errors:
         raise SystemExit("; ".join(errors))
-    sequences = lc.batch_groups * g.n
+    accumulate = per_step // micro
     schedule = {"constant": "constant_with_warmup" if lc.warmup_steps else "constant", "cosine": "cosine"}
     bf16 = cuda and str(lc.mixed_precision.param_dtype) == "bfloat16"
     settings = {
         "seed": cfg.run.seed, "max_steps": cfg.run.max_steps,
-        "num_generations": g.n, "per_device_train_batch_size": sequences // lc.minibatches,
-        "steps_per_generation": lc.minibatches, "gradient_accumulation_steps": 1,
+        "num_generations": g.n, "per_device_train_batch_size": micro,
+        "steps_per_generation": accumulate * lc.minibatches, "gradient_accumulation_steps": accumulate,
+        "gradient_checkpointing": lc.activation_checkpointing,
         "max_completion_length": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p,
         "top_k": g.top_k if g.top_k > 0 else 0,
         "learning_rate": lc.lr, "lr_scheduler_type": schedule[lc.lr_schedule], "warmup_steps": lc.warmup_steps,
@@ -239,7 +249,7 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config or None, args.overrides)
     cuda = torch.cuda.is_available()
     use_vllm = args.vllm == "on" or (args.vllm == "auto" and cuda)
-    settings = trl_settings(cfg, cuda, use_vllm)
+    settings = trl_settings(cfg, cuda, use_vllm, args.micro_batch_seqs)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     chat = cfg.data.chat_template and bool(getattr(tokenizer, "chat_template", None))
     train = get_task(cfg.data.task).train_rows(cfg)
@@ -286,6 +296,8 @@ def main() -> int:
     r.add_argument("--vllm", choices=("auto", "on", "off"), default="auto",
                    help="generation by vLLM in the trainer's process (auto: on CUDA), or by transformers")
     r.add_argument("--name", default="", help="the run's folder under --out (default: the config's file name + _trl)")
+    r.add_argument("--micro-batch-seqs", type=int, default=0,
+                   help="sequences a forward/backward, gradients accumulated over a step (0: all of a step at once)")
     r.add_argument("--out", required=True)
     r.add_argument("overrides", nargs="*")
     r.set_defaults(fn=cmd_run)
@@ -293,6 +305,7 @@ def main() -> int:
     t.add_argument("--config", required=True)
     t.add_argument("--out", required=True)
     t.add_argument("--vllm", choices=("auto", "on", "off"), default="auto")
+    t.add_argument("--micro-batch-seqs", type=int, default=0)
     t.add_argument("overrides", nargs="*")
     t.set_defaults(fn=cmd_train)
     args = parser.parse_args()

@@ -73,7 +73,12 @@ def test_curve_report_times_each_accuracy_from_the_launch(tmp_path):
     assert c["base_pass@1"] == 0.05 and c["best_pass@1"] == 0.72 and c["final_pass@1"] == 0.5
     assert c["time_to_pass@1_s"] == {"0.3": 39.0, "0.4": 49.0, "0.5": 59.0, "0.6": 59.0, "0.7": 59.0}
     assert c["first_step_s"] == 32.0 and c["steps"] == 20 and c["median_step_s"] == 2.0
+    # +5/+10/+15 points over version 0's 0.05: 0.35 (round 1) reaches all three.
+    assert c["time_to_base_plus_points_s"] == {"+5": 39.0, "+10": 39.0, "+15": 39.0}
     _write_run(tmp_path / "b", 2000.0, [0.05, 0.2], mode="sync")
+    assert bench.curve(tmp_path / "b")["time_to_base_plus_points_s"] == {"+5": 39.0, "+10": 39.0, "+15": 39.0}
+    _write_run(tmp_path / "c", 3000.0, [0.30, 0.36, 0.41, 0.44])
+    assert bench.curve(tmp_path / "c")["time_to_base_plus_points_s"] == {"+5": 39.0, "+10": 49.0, "+15": None}
     assert bench.curve(tmp_path / "b")["time_to_pass@1_s"]["0.3"] is None  # never reached: no time
 
 

@@ -33,6 +33,19 @@ def test_trl_settings_follow_the_asyncrl_config():
     mb = trl.trl_settings(load_config(None, ["learner.minibatches=2"]), cuda=False, use_vllm=False)
     assert (mb["per_device_train_batch_size"], mb["steps_per_generation"], mb["bf16"]) == (32, 2, False)
     assert "vllm_mode" not in mb
+    assert s["gradient_checkpointing"] is False  # as the learner: learner.activation_checkpointing
+
+
+def test_trl_micro_batches_accumulate_to_the_learners_optimizer_step():
+    trl = _bench("trl_grpo")
+    cfg = load_config(str(REPO / "configs" / "gsm8k_qwen2.5_coder_0.5b.yaml"))
+    s = trl.trl_settings(cfg, cuda=True, use_vllm=True, micro_batch_seqs=16)
+    # 256 sequences a step: 16 a forward/backward, 16 accumulated, one generation a step
+    assert (s["per_device_train_batch_size"], s["gradient_accumulation_steps"], s["steps_per_generation"]) == (16, 16, 16)
+    mb = trl.trl_settings(load_config(None, ["learner.minibatches=2"]), cuda=False, use_vllm=False, micro_batch_seqs=8)
+    assert (mb["per_device_train_batch_size"], mb["gradient_accumulation_steps"], mb["steps_per_generation"]) == (8, 4, 8)
+    with pytest.raises(SystemExit, match="does not divide"):
+        trl.trl_settings(cfg, cuda=True, use_vllm=True, micro_batch_seqs=24)
 
 
 @pytest.mark.parametrize("override, names", [("algorithm.aggregation=seq_mean_token_sum", "algorithm.aggregation"),
