@@ -82,7 +82,7 @@ def cmd_run(args) -> int:
     rc, t_launch, wall_s, _ = run_for(cmd, args.budget_s)
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
-    for f in ("metrics.jsonl", "eval.jsonl", "logs/generator-g0.log"):
+    for f in ("metrics.jsonl", "eval.jsonl", "eval_samples.jsonl", "config.yaml", "logs/generator-g0.log"):
         if (runs / name / f).exists():
             shutil.copy(runs / name / f, out / Path(f).name)
     meta = {"mode": args.mode, "config": args.config, "overrides": args.overrides, "budget_s": args.budget_s,
