@@ -172,6 +172,11 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _steps(rows: list[dict]) -> str:
+    a, b = rows[0].get("step"), rows[-1].get("step")
+    return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
 def training_table(metrics: list[dict]) -> list[tuple[str, str, str, str]]:
     """(label, first tenth, last tenth, whole run) for each training number the run logged, and a
     header row of the step ranges."""
@@ -181,8 +186,7 @@ def training_table(metrics: list[dict]) -> list[tuple[str, str, str, str]]:
     tenth = max(len(rows) // 10, 1)
     first, last = rows[:tenth], rows[-tenth:]
     before_last = rows[-tenth - 1] if len(rows) > tenth else None
-    table = [("", f"steps {first[0].get('step')}-{first[-1].get('step')}",
-              f"steps {last[0].get('step')}-{last[-1].get('step')}", "whole run")]
+    table = [("", _steps(first), _steps(last), "whole run")]
     for key, label, fmt in TRAINING:
         if key == "idle_ratio":
             vals = (_idle_between(None, first[-1]), _idle_between(before_last, last[-1]),
