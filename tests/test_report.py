@@ -117,6 +117,14 @@ def test_a_live_run_reads_complete_rows_only(tmp_path):
     assert "| final accuracy | 40.0% (version 20" in write_report(run_dir)[0].read_text()
 
 
+def test_times_count_from_the_launch_where_the_folder_records_it(tmp_path):
+    run_dir = _hand_run(tmp_path / "launched")
+    (run_dir / "launch.json").write_text(json.dumps({"t_launch": T0 - 30, "mode": "async"}))
+    text = write_report(run_dir)[0].read_text()
+    assert "| wall time | 1.4 min since the launch |" in text  # 30 s before the learner's start, 55 s after
+    assert "| time to base + 5 points (25.0%) | 1.0 min (version 10" in text  # 30 + 32 s
+
+
 # ---- escaping ------------------------------------------------------------------------------------
 
 NASTY = ["What is 2 | 3 * $4_x <b>bold</b>? [link](http://x) `code` ~~gone~~ &amp; \\ end",

@@ -96,7 +96,8 @@ def load_run(run_dir: str | Path) -> RunFiles:
         raise ReportError(f"{run_dir} {what}: pass a run folder ({{run.dir}}/{{run.name}}) once its learner has "
                           f"taken a step")
     evals = _rows(run_dir / "eval.jsonl")
-    by_version = {r["eval/version"]: r for r in evals if isinstance(r.get("eval/pass@1"), (int, float))}
+    by_version = {r["eval/version"]: r for r in evals
+                  if isinstance(r.get("eval/pass@1"), (int, float)) and isinstance(r.get("eval/version"), int)}
     rounds = [by_version[v] for v in sorted(by_version)]
     if not rounds:
         every = _setting(config, "eval.every")
@@ -111,12 +112,23 @@ def load_run(run_dir: str | Path) -> RunFiles:
     starts = [r["time"] - r.get("elapsed_s", 0.0) for r in metrics if isinstance(r.get("time"), (int, float))]
     starts += [r["eval/published_at"] for r in rounds if isinstance(r.get("eval/published_at"), (int, float))]
     t0, origin = (min(starts) if starts else 0.0), "the learner's start"
-    launch = run_dir / "launch.json"
-    if launch.exists() and isinstance(t := json.loads(launch.read_text()).get("t_launch"), (int, float)):
-        t0, origin = float(t), "the launch"
+    if isinstance(t := _launch_time(run_dir), float):
+        t0, origin = t, "the launch"
+    samples = [r for r in _rows(run_dir / "eval_samples.jsonl")
+               if isinstance(r.get("version"), int) and isinstance(r.get("prompt_id"), str)]
     return RunFiles(run_dir=run_dir, name=str(_setting(config, "run.name") or run_dir.name), config=config,
-                    metrics=metrics, rounds=rounds, samples=_rows(run_dir / "eval_samples.jsonl"), t0=t0,
-                    origin=origin, incomplete_rounds=sum(1 for r in evals if r.get("eval/incomplete")))
+                    metrics=metrics, rounds=rounds, samples=samples, t0=t0, origin=origin,
+                    incomplete_rounds=sum(1 for r in evals if r.get("eval/incomplete")))
+
+
+def _launch_time(run_dir: Path) -> float | None:
+    """`t_launch` of a benchmark's `launch.json` beside the run's files (benchmarks/smollm2_curve.py)."""
+    path = run_dir / "launch.json"
+    try:
+        t = json.loads(path.read_text()).get("t_launch") if path.exists() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ReportError(f"{path} is not a launch record ({e})") from None
+    return float(t) if isinstance(t, (int, float)) else None
 
 
 # ---- the numbers -------------------------------------------------------------------------------------
