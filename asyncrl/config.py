@@ -193,6 +193,9 @@ class EvalConfig(Section):
     """a round not complete by then is logged as incomplete and dropped"""
     before_train: bool = True
     """also evaluate the starting weights (version 0) when the learner starts"""
+    show: Annotated[int, NonNegative] = 8
+    """the first this many held-out prompts also have their greedy answer's text kept, each round, in
+    {run_dir}/eval_samples.jsonl (what `asyncrl report` shows before and after training); 0: none"""
 
 
 class EnvConfig(Section):

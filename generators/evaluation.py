@@ -2,7 +2,8 @@
 
 Eval tasks share the generator's concurrency cap (`generator.max_concurrent_groups`) and its engine
 with training groups, so an eval round slows training a little but never stops it; it produces no
-trajectory. See asyncrl/tasks/evaluation.py for the protocol.
+trajectory. See asyncrl/tasks/evaluation.py for the protocol. A task marked `show` also gets its greedy
+answer's text back (for `asyncrl report`): one decode of a few prompts per round.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from asyncrl.observe.inspection import episode_turns
 from asyncrl.protocol import schema
 from asyncrl.tasks.data import encode_prompt
 from asyncrl.tasks.evaluation import EVAL_GROUP, eval_prompts_key, eval_results_key
@@ -84,11 +86,16 @@ class EvalWorker:
         # Evaluate the version the round names: wait for its weights (a newer version is fine too).
         while gen.version < task.version and not gen.stopping.is_set():
             await asyncio.sleep(0.05)
-        greedy_episode = None
+        greedy_episode = greedy_text = None
         if gen.env_factory is not None:
             (greedy_reward, greedy_correct), *scored, versions, num_tokens, greedy_episode = await self._episodes(task)
+            if task.show:
+                greedy_text = "\n".join(f"[{t['role']}] {t['text']}" for t in
+                                        episode_turns(gen.tokenizer, greedy_episode.token_ids, greedy_episode.mask))
         else:
-            (greedy_reward, greedy_correct), *scored, versions, num_tokens = await self._completions(task)
+            (greedy_reward, greedy_correct), *scored, versions, num_tokens, greedy_ids = await self._completions(task)
+            if task.show:
+                greedy_text = gen.tokenizer.decode(greedy_ids, skip_special_tokens=True)
         result = schema.EvalResult(
             schema_version=schema.SCHEMA_VERSION, round_id=task.round_id, version=task.version,
             prompt_id=task.prompt_id, generator_id=gen.id, greedy_correct=greedy_correct,
@@ -96,7 +103,7 @@ class EvalWorker:
             sample_rewards=schema.pack_f32([r for r, _ in scored]), min_version=int(min(versions or [gen.version])),
             num_tokens=num_tokens, finished_at=time.time(),
             greedy_turns=greedy_episode.turns if greedy_episode else 0,
-            greedy_tool_calls=greedy_episode.tool_calls if greedy_episode else 0)
+            greedy_tool_calls=greedy_episode.tool_calls if greedy_episode else 0, greedy_text=greedy_text)
         async with gen.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.results_key, {"data": schema.encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
             pipe.xack(self.prompts_key, EVAL_GROUP, entry_id)
@@ -105,7 +112,8 @@ class EvalWorker:
 
     async def _completions(self, task: schema.EvalTask) -> list:
         """One greedy completion and `task.k` sampled ones, scored by the reward: [(reward, correct) of
-        each, greedy first; then every token's version; then the tokens generated]."""
+        each, greedy first; then every token's version; then the tokens generated; then the greedy
+        completion's token ids]."""
         gen = self.gen
         prompt_ids = encode_prompt(gen.tokenizer, task.prompt, gen.cfg.data.chat_template)
         jobs = [gen.engine.generate_group(prompt_ids, 1, lambda: gen.version, temperature=0.0)]
@@ -114,7 +122,8 @@ class EvalWorker:
         outs = await asyncio.gather(*jobs)
         every = [outs[0][0], *(outs[1] if task.k > 0 else [])]
         scored = await gen.rewards.call(lambda: [self.score(s.token_ids, task) for s in every])  # reward threads
-        return [*scored, [v for s in every for v in s.versions], sum(len(s.token_ids) for s in every)]
+        return [*scored, [v for s in every for v in s.versions], sum(len(s.token_ids) for s in every),
+                outs[0][0].token_ids]
 
     async def _episodes(self, task: schema.EvalTask) -> list:
         """A task with an environment: one episode of greedy turns and `task.k` at the training

@@ -2,7 +2,8 @@
 
 Called once per step from `Learner.after_step`; returns the `eval/*` metrics of the round that
 finished since the last step (empty otherwise), which go into that step's metrics row. Every
-finished round is also appended to `{run_dir}/eval.jsonl`. At the last step it waits (up to
+finished round is also appended to `{run_dir}/eval.jsonl`, and the greedy answers of its first
+`eval.show` prompts to `{run_dir}/eval_samples.jsonl`. At the last step it waits (up to
 `eval.timeout_s`) for the rounds still out, so the final model is always evaluated.
 """
 
@@ -43,6 +44,9 @@ class Evaluator:
         self.published: set[int] = set()
         self.last_id = b"0-0"
         self.path = cfg.run_dir / "eval.jsonl"
+        self.samples_path = cfg.run_dir / "eval_samples.jsonl"
+        if start_version == 0:
+            self._set_aside_earlier_rounds()
         try:
             client.xgroup_create(self.prompts_key, EVAL_GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
@@ -59,7 +63,7 @@ class Evaluator:
         self.published.add(version)
         now = time.time()
         pipe = self.client.pipeline(transaction=True)
-        for task in make_tasks(self.rows, version, self.cfg.eval.k, now):
+        for task in make_tasks(self.rows, version, self.cfg.eval.k, now, show=self.cfg.eval.show):
             pipe.xadd(self.prompts_key, {"data": schema.encode(task)}, maxlen=100_000, approximate=True)
         pipe.execute()
         self.rounds[round_id(version)] = Round(version=version, num_prompts=len(self.rows), published_at=now)
@@ -98,6 +102,7 @@ class Evaluator:
                    # Wall clock when the evaluated weights were current: the x of an accuracy-over-time curve.
                    "eval/published_at": rnd.published_at}
             self._append(row)
+            self._keep_answers(step, rnd)
             rows.append(row)
             print(f"eval version={rnd.version} pass@1={row['eval/pass@1']:.3f} "
                   f"mean@{self.cfg.eval.k}={row.get('eval/mean@k', float('nan')):.3f} "
@@ -107,6 +112,33 @@ class Evaluator:
     def _append(self, row: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def _keep_answers(self, step: int, rnd: Round) -> None:
+        """One row per shown question of a finished round, in held-out order: the question, the
+        reference answer and the greedy answer with its score. One write, so a reader sees whole rows."""
+        lines = []
+        for index, prompt in enumerate(self.rows[: self.cfg.eval.show]):
+            result = rnd.results.get(prompt.prompt_id)
+            if result is None or result.greedy_text is None:  # a generator of code before `show`
+                continue
+            lines.append(json.dumps({
+                "step": step, "version": rnd.version, "published_at": rnd.published_at,
+                "finished_at": result.finished_at, "index": index, "prompt_id": prompt.prompt_id,
+                "prompt": prompt.prompt, "answer": prompt.answer, "completion": result.greedy_text,
+                "reward": result.greedy_reward, "correct": result.greedy_correct,
+                "turns": result.greedy_turns, "tool_calls": result.greedy_tool_calls}) + "\n")
+        if lines:
+            with open(self.samples_path, "a") as f:
+                f.write("".join(lines))
+
+    def _set_aside_earlier_rounds(self) -> None:
+        """A learner starting at version 0 starts the run's evaluation afresh: rounds an earlier run of
+        this name left in the run folder are kept aside (`eval.{stamp}.jsonl`), not mixed into this run's."""
+        stamp = int(time.time())
+        for path in (self.path, self.samples_path):
+            if path.exists():
+                path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}"))
+                log.info("%s of an earlier run kept aside as %s.%d%s", path.name, path.stem, stamp, path.suffix)
 
     def after_step(self, step: int, version: int) -> dict:
         if not self.enabled:

@@ -1,4 +1,4 @@
-"""The observability subcommands of `asyncrl`: `status`, `plot`, `inspect`.
+"""The observability subcommands of `asyncrl`: `status`, `plot`, `inspect`, `report`.
 
 Only argparse and the standard library at import time (`asyncrl --help` stays instant); each
 command imports what it needs after parsing.
@@ -69,6 +69,19 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from asyncrl.observe.report import ReportError, write_report
+
+    try:
+        page, png = write_report(args.run_dir, args.out, args.questions)
+    except ReportError as e:
+        print(f"asyncrl report: {e}", file=sys.stderr)
+        return 2
+    print(page)
+    print(png)
+    return 0
+
+
 def cmd_inspect(args) -> int:
     cfg, url = _config_and_redis(args)
     from asyncrl.observe.ended import newest_weights, open_run
@@ -106,6 +119,15 @@ def add_observe_commands(sub) -> None:
     p.add_argument("--x", choices=("step", "time"), default="step",
                    help="x axis: learner step, or wall-clock minutes since the learner started")
     p.set_defaults(fn=cmd_plot)
+
+    p = sub.add_parser("report", help="one page of a run (live or ended): held-out accuracy against time, "
+                       "training numbers, held-out answers before and after training")
+    p.add_argument("run_dir", help="the run directory ({run.dir}/{run.name})")
+    p.add_argument("--out", default=None, help="the page: FILE.md (Markdown) or FILE.html; the accuracy PNG is "
+                   "written beside it (default: RUN_DIR/report.md)")
+    p.add_argument("--questions", type=int, default=5, help="held-out questions to show before and after "
+                   "(of the eval.show the run kept; 0: none)")
+    p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("inspect", help="the newest trajectories: text, reward, versions, behaviour vs current log-probs")
     _add_run_args(p)

@@ -198,6 +198,9 @@ class EvalTask(msgspec.Struct, tag="eval_task"):
     answer: str
     k: int  # samples at the training temperature for mean@k (besides the one greedy sample)
     released_at: float
+    # Return the greedy answer's text in the result (the first `eval.show` prompts of a round, for
+    # `asyncrl report`). A default, so frames without it decode as before (no schema version change).
+    show: bool = False
 
 
 class EvalResult(msgspec.Struct, tag="eval_result"):
@@ -219,6 +222,9 @@ class EvalResult(msgspec.Struct, tag="eval_result"):
     # for single completions, and in results of code before these fields).
     greedy_turns: int = 0
     greedy_tool_calls: int = 0
+    # The greedy answer, decoded (an episode: its turns, each marked `[assistant]` or `[environment]`),
+    # for a task with `show`; None for the others and from code before this field.
+    greedy_text: str | None = None
 
 
 Message = TrajectoryGroup | PromptTask | WeightAnnouncement | GroupEpoch | IpcExport | EvalTask | EvalResult

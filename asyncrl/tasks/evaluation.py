@@ -9,7 +9,9 @@ Protocol (all under `asyncrl:{run}:`):
   data is untouched;
 - rank 0 reads `eval_results`, and once a round has every prompt writes `eval/pass@1` (greedy),
   `eval/mean@k`, `eval/pass@k` and `eval/version` (for episodes also the greedy episodes' turns and
-  tool calls) into the step's metrics row and `eval.jsonl`.
+  tool calls) into the step's metrics row and `eval.jsonl`, and the greedy answers of the first
+  `eval.show` prompts (their tasks are marked `show`; the results carry `greedy_text`) into
+  `eval_samples.jsonl`, one row per question per round, which `asyncrl report` reads.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ def round_id(version: int) -> str:
     return f"v{version}"
 
 
-def make_tasks(rows: list[PromptRecord], version: int, k: int, now: float) -> list[schema.EvalTask]:
+def make_tasks(rows: list[PromptRecord], version: int, k: int, now: float, show: int = 0) -> list[schema.EvalTask]:
+    """One task per row; the first `show` ask for their greedy answer's text back (`eval.show`)."""
     return [schema.EvalTask(schema_version=schema.SCHEMA_VERSION, round_id=round_id(version), version=version,
-                            prompt_id=r.prompt_id, prompt=r.prompt, answer=r.answer, k=k, released_at=now)
-            for r in rows]
+                            prompt_id=r.prompt_id, prompt=r.prompt, answer=r.answer, k=k, released_at=now,
+                            show=i < show)
+            for i, r in enumerate(rows)]
 
 
 @dataclass
