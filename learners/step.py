@@ -385,7 +385,8 @@ def _step_stats(stats: _Stats, sampled: _SampledStats, targets: Targets, loss_pa
     # One device-to-host copy for every statistic (they are 0-dim tensors or floats until here).
     names = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
     values = torch.stack([st[k].detach().float().reshape(()).to(device) for k in names]).tolist() if names else []
-    return {**{k: float(v) for k, v in st.items()}, **dict(zip(names, values, strict=True))}
+    copied = dict(zip(names, values, strict=True))
+    return {k: copied[k] if k in copied else float(v) for k, v in st.items()}
 
 
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan, cfg: Config,
