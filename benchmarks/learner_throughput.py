@@ -264,6 +264,8 @@ def ragged_setup(kind, shape, device, args):
     if args.keep_logits_gb is not None:
         cfg.learner.keep_logits_gb = args.keep_logits_gb
     cfg.learner.packing = kind != "padded"
+    if device.type == "cuda":  # bf16 compute, as below and as the shipped GPU configs set it
+        cfg.learner.mixed_precision.param_dtype = "bfloat16"
     cfg.learner.compile = {"on": True, "off": False}.get(args.compile, "auto")
     cfg.learner.activation_checkpointing = {"on": True, "off": False}.get(args.checkpointing, "auto")
     reshard, shard_layers = fsdp_switches(cfg.learner, 1)

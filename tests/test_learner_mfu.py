@@ -159,7 +159,9 @@ class SyncCounter(TorchDispatchMode):
         if func._schema.name in SYNC_OPS:
             stack = traceback.extract_stack()
             if not any(f.filename.endswith("masking_utils.py") for f in stack):
-                self.where[f"{func._schema.name} at {stack[-2].filename}:{stack[-2].lineno}"] += 1
+                ours = [f for f in stack if "/learners/" in f.filename or "/asyncrl/" in f.filename]
+                at = f"{ours[-1].filename}:{ours[-1].lineno}" if ours else "?"
+                self.where[f"{func._schema.name} at {at}"] += 1
         return func(*args, **(kwargs or {}))
 
 
