@@ -313,8 +313,8 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
                            total_tokens=total_tokens, max_completion=args.max_completion)
     last = {}
 
-    def step():
-        st = build_step(groups, device)
+    def step(gs=groups):
+        st = build_step(gs, device)
         plan = packing.plan_step(st.group_sizes, st.lengths, st.comp_len, world=1, minibatches=1, epochs=1,
                                  budget=budget, packed=cfg.learner.packing, seed=0)
         micro = rank_micro_batches(plan, 0)
@@ -345,8 +345,11 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
            "mfu": flops / med / peak,
            "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
            "loss": last.get("loss"), "grad_norm": last.get("grad_norm")}
-    if args.profile_dir and kind == "ragged" and device.type == "cuda":
-        row["profile"] = save_profile(step, Path(args.profile_dir), f"{shape}_{num_seqs}")
+    if args.profile_dir and kind == "ragged":
+        # Run by main_ragged once the row is written: a profile cut short by a time limit loses no row.
+        few = groups[: max(1, args.trace_seqs // 8)]  # the trace: a step of the first groups, the same micro-batches
+        row["_profile"] = lambda: save_profile(step, lambda: step(few), device, Path(args.profile_dir),
+                                               f"{shape}_{num_seqs}")
     return row
 
 
@@ -358,6 +361,7 @@ def main_ragged(args, device, peak, meta) -> int:
         for n in [int(x) for x in args.num_seqs.split(",")]:
             ragged = None
             for kind in ("ragged",) if args.no_uniform else ("ragged", "uniform"):
+                failed = False
                 try:
                     row = run_ragged(kind, shape, device, n, args, peak,
                                      total_tokens=ragged["real_tokens"] if ragged else 0)
@@ -369,17 +373,24 @@ def main_ragged(args, device, peak, meta) -> int:
                 except Exception as e:
                     traceback.print_exc()
                     row = {"variant": kind, "shape": shape, "num_seqs": n, "error": f"{type(e).__name__}: {e}"[:500]}
-                    if kind == "ragged":
-                        break
+                    failed = True
+                profile = row.pop("_profile", None)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k not in ("step_s_all", "profile")}), flush=True)
                 out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                if profile is not None:
+                    row["profile"] = profile()
+                    print(json.dumps({"profile": {k: v for k, v in row["profile"].items() if k != "top_kernels"}}))
+                    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                    del profile
                 # Compiled code holds on to the models' graphs: dropped, the next case compiles again
                 # from the inductor cache on disk (its first step shows what a cached compile costs).
                 torch._dynamo.reset()
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                if failed and kind == "ragged":
+                    break  # no uniform batch to compare with
     print_ragged_table(rows, meta)
     return 0 if all("error" not in r for r in rows) else 1
 
@@ -429,11 +440,12 @@ def kernel_families(prof) -> tuple[dict[str, float], list]:
     return by_family, top
 
 
-def save_profile(step, out_dir: Path, tag: str) -> dict:
+def save_profile(step, small_step, device: torch.device, out_dir: Path, tag: str) -> dict:
     """One more step under torch.profiler (host and device): kernel time by family, how busy the GPU
     was (kernel time / wall time; the host's tracing slows it, so a lower bound), the host-device
     syncs; written to OUT_DIR: learner_profile_TAG.txt (key_averages tables, by device and by host
-    time) and learner_trace_TAG.json.gz (the Chrome trace; left out when over 15 MiB)."""
+    time); and learner_trace_TAG.json.gz, the Chrome trace of `small_step` (a step of a few of the
+    groups, so that the file stays small; left out when over 15 MiB)."""
     import gzip
     import shutil
     import tempfile
@@ -441,11 +453,12 @@ def save_profile(step, out_dir: Path, tag: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
         step()
-        torch.cuda.synchronize()
+        sync(device)
     wall = time.perf_counter() - t0
     by_family, top = kernel_families(prof)
     events = prof.key_averages()
@@ -457,6 +470,9 @@ def save_profile(step, out_dir: Path, tag: str) -> dict:
         except (AttributeError, KeyError, ValueError):
             tables.append(f"== sorted by {sort}: not available\n")
     (out_dir / f"learner_profile_{tag}.txt").write_text("\n\n".join(tables))
+    with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+        small_step()
+        sync(device)
     trace = out_dir / f"learner_trace_{tag}.json.gz"
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
@@ -566,7 +582,8 @@ def main(argv=None) -> int:
                    help="--ragged: learner.compile, each decoder layer compiled (auto: as the learner chooses it)")
     p.add_argument("--max-completion", type=int, default=2048, help="--ragged: longest completion (tokens)")
     p.add_argument("--profile-dir", default="", help="--ragged: profile one more ragged step, write its tables "
-                   "and gzipped Chrome trace here")
+                   "and the gzipped Chrome trace of a step of --trace-seqs sequences here")
+    p.add_argument("--trace-seqs", type=int, default=64, help="--ragged: sequences of the traced step")
     p.add_argument("--no-uniform", action="store_true", help="--ragged: skip the uniform batches of the same tokens")
     args = p.parse_args(argv)
     if args.tiny:
