@@ -185,13 +185,16 @@ def choose_micro_batch(free_bytes: int, model_config, dtype: torch.dtype, checkp
 
 def default_micro_batch_tokens(model_config, device: torch.device, param_dtype: torch.dtype,
                                activation_checkpointing: bool, needs: MemoryNeeds | None = None) -> int:
-    """Tokens per micro-batch when `learner.micro_batch_tokens=0`. CPU: 8192. CUDA: what the device
-    memory free now holds once `needs` are met (`choose_micro_batch`)."""
+    """Tokens per micro-batch. CPU: 8192. CUDA: what the device memory free now holds once `needs`
+    are met (`choose_micro_batch`); without `needs` (a caller that knows nothing of the step's other
+    memory) a quarter of it."""
     if device.type != "cuda":
         return 8192
     free, _ = torch.cuda.mem_get_info(device)
-    return choose_micro_batch(free, model_config, param_dtype, bool(activation_checkpointing),
-                              needs or MemoryNeeds())[0]
+    if needs is None:
+        per_token = activation_bytes_per_token(model_config, param_dtype, bool(activation_checkpointing))
+        return max(2048, min(MAX_AUTO_TOKENS, int(free * 0.25 // per_token) // 1024 * 1024))
+    return choose_micro_batch(free, model_config, param_dtype, bool(activation_checkpointing), needs)[0]
 
 
 # ---- attention inside packed rows -----------------------------------------------------------------
