@@ -19,9 +19,9 @@ Variants, each on random weights from a Qwen2Config of the named shape, bf16 mat
               for the backward instead of recomputed): the switches for one GPU with memory to spare.
   Any of them + "+switch" (see VARIANT_OPTS), e.g. rl+keep.
 
-FLOPs per step, N = parameters in Linear layers (the tied output head counted once, input
-embedding lookups not), per token of the B x L batch, n_layers, d_attn = heads x head_dim, causal
-attention (each query sees s/2 keys on average):
+FLOPs per step: learners/flops.py, the count the learner's `mfu` metric uses. N = parameters in
+Linear layers (the tied output head counted once, input embedding lookups not), per real token,
+n_layers, d_attn = heads x head_dim, causal attention (each query sees s/2 keys on average):
   forward with grad + backward  6 N + 6 n_layers s d_attn
   forward without grad          2 N + 2 n_layers s d_attn
   plain = tokens x (6 N + 6 n_layers s d_attn);
@@ -29,15 +29,19 @@ attention (each query sees s/2 keys on average):
   on the completion tokens only, which are all the loss needs (prompt = seq / 8 here).
 Recomputation (the chunked head's backward recomputes its logits) is work done but not counted.
 MFU = counted FLOPs / step time / peak, the peak being a bf16 8192^3 matmul on random data
-measured in the same run.
+measured in the same run (fp32 512^3 on a CPU, labelled so).
 
 --ragged: the learner's whole step as `Learner.train_step` runs it (learners/batch.py `build_step`,
 learners/packing.py `plan_step`, reference log-probs over the micro-batches, `batch_targets`,
 `policy_update` with token-budget micro-batches and gradient accumulation), on batches shaped like
 RL: prompts uniform in [100, 300] tokens, completions lognormal (median 300) clipped to [32, 2048],
-`--num-seqs` sequences a step; next to `uniform`: the same number of real tokens in sequences of
+`--num-seqs` sequences a step (`--max-completion` the longest completion); next to `uniform`: the same number of real tokens in sequences of
 `--uniform-seq` tokens (prompt = seq / 8), through the same code. Reported: real tokens (prompt +
-completion) per second, the ratio ragged / uniform, pad fraction, micro-batches, peak memory.
+completion) per second, the ratio ragged / uniform, pad fraction, micro-batches, peak memory, the
+first step's time (compilation included). The switches are the learner's defaults, resolved as the
+learner resolves them (micro-batch tokens from the memory free after the models are built,
+activation checkpointing and compile `auto`), unless --micro-tokens / --checkpointing / --compile
+say otherwise. --profile-dir: one more ragged step under torch.profiler (tables, gzipped trace).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from learners.flops import TRAIN, ModelFlops, device_label, measure_peak_flops, step_flops  # noqa: E402
 
 SHAPES = {  # Qwen2.5-0.5B / -1.5B (both tie their embeddings), and a CPU smoke-test shape
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -92,41 +98,8 @@ def build_model(shape: str, dtype: torch.dtype, device: torch.device):
 
 def matmul_params(model) -> int:
     """Parameters that take part in matmuls: every Linear weight (a tied head is the embedding, once)."""
-    seen, n = set(), 0
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in seen:
-            seen.add(id(mod.weight))
-            n += mod.weight.numel()
-    return n
-
-
-def flops_per_token(model, seq: int, head: bool = True) -> tuple[float, float]:
-    """(train: fwd+bwd, no-grad fwd) FLOPs per token; see the module docstring. head=False: without
-    the output head's V x H matmul (the RL step runs it on completion tokens only)."""
-    c = model.config
-    n = matmul_params(model) - (0 if head else model.get_output_embeddings().weight.numel())
-    attn = c.num_hidden_layers * seq * c.num_attention_heads * c.head_dim
-    return 6 * n + 6 * attn, 2 * n + 2 * attn
-
-
-def head_flops_per_token(model) -> tuple[float, float]:
-    """(train, no-grad forward) FLOPs of the output head for one token."""
-    vh = model.get_output_embeddings().weight.numel()
-    return 6 * vh, 2 * vh
-
-
-def measure_peak(device: torch.device, size: int) -> float:
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    reps = 10
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * size**3 * reps / (time.perf_counter() - t0)
+    mf = ModelFlops.of(model)
+    return mf.body_params + mf.head_params
 
 
 def sync(device: torch.device) -> None:
@@ -184,8 +157,7 @@ def setup_plain(shape, device, batch, seq, opts):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    train_f, _ = flops_per_token(model, seq)
-    return step, train_f * batch * seq, model
+    return step, ModelFlops.of(model).pass_flops(TRAIN, [seq] * batch, batch * seq), model
 
 
 def setup_rl(shape, device, batch, seq, opts):
@@ -245,14 +217,12 @@ def setup_rl(shape, device, batch, seq, opts):
 
     step.phases = phases
     # The decoder runs on every token; the head on the completion tokens only (what the loss needs).
-    train_f, fwd_f = flops_per_token(policy, seq, head=False)
-    head_train, head_fwd = head_flops_per_token(policy)
-    flops = (train_f + fwd_f) * batch * seq + (head_train + head_fwd) * b.num_tokens
+    flops = step_flops(ModelFlops.of(policy), [seq] * batch, b.num_tokens, reference=True)
     return step, flops, (policy, last)
 
 
 def ragged_groups(num_seqs: int, vocab: int, seed: int, n: int = 8, uniform_seq: int = 0,
-                  total_tokens: int = 0):
+                  total_tokens: int = 0, max_completion: int = 2048):
     """`num_seqs` sequences in groups of `n`: RL-shaped lengths, or (uniform_seq > 0) sequences of
     uniform_seq tokens, as many as hold `total_tokens` real tokens (rounded up to whole groups)."""
     import numpy as np
@@ -266,7 +236,7 @@ def ragged_groups(num_seqs: int, vocab: int, seed: int, n: int = 8, uniform_seq:
     for gi in range(num_seqs // n):
         p_len = uniform_seq // 8 if uniform_seq else int(rng.integers(100, 301))
         comps = [uniform_seq - p_len] * n if uniform_seq else \
-            np.clip(rng.lognormal(math.log(300), 0.9, n), 32, 2048).astype(int).tolist()
+            np.clip(rng.lognormal(math.log(300), 0.9, n), 32, max_completion).astype(int).tolist()
         samples = [schema.Sample(
             completion_ids=schema.pack_i32(rng.integers(3, vocab, c)), logprobs=schema.pack_f32(-rng.exponential(1.0, c)),
             versions=schema.pack_i32(np.zeros(c, dtype=np.int32)), reward=float(rng.random()), finish_reason="stop")
@@ -278,30 +248,35 @@ def ragged_groups(num_seqs: int, vocab: int, seed: int, n: int = 8, uniform_seq:
     return groups
 
 
-def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dict:
-    """One learner step as the learner runs it, on ragged or uniform sequences (see the docstring)."""
+def ragged_setup(kind, shape, device, args):
+    """The learner's parts at its default switches unless the flags say otherwise: the policy (fp32
+    master weights under FSDP2, bf16 compute), the frozen bf16 reference, AdamW, compile (`auto` as
+    learner.compile), then micro-batch tokens and activation checkpointing from the memory free now
+    (learners/setup.py `memory_needs`, learners/packing.py `choose_micro_batch`), as the learner sizes them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from asyncrl.config import Config
     from learners import packing
-    from learners.batch import build_step
-    from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
-    from learners.trainer import fsdp_switches
+    from learners.setup import compile_wanted, fsdp_switches, keep_compile_cache, memory_needs
 
     cfg = Config()
     if args.keep_logits_gb is not None:
         cfg.learner.keep_logits_gb = args.keep_logits_gb
     cfg.learner.packing = kind != "padded"
+    if device.type == "cuda":  # bf16 compute, as below and as the shipped GPU configs set it
+        cfg.learner.mixed_precision.param_dtype = "bfloat16"
+    cfg.learner.compile = {"on": True, "off": False}.get(args.compile, "auto")
+    cfg.learner.activation_checkpointing = {"on": True, "off": False}.get(args.checkpointing, "auto")
     reshard, shard_layers = fsdp_switches(cfg.learner, 1)
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     policy = build_model(shape, torch.float32, device)
     ref = copy.deepcopy(policy).to(compute).requires_grad_(False)
-    if args.checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.compile:  # as learners/setup.py does with learner.compile: each decoder layer, in place
+    compiled = compile_wanted(cfg.learner.compile, device, policy)
+    if compiled:  # as learners/setup.py does with learner.compile: each decoder layer, in place
+        keep_compile_cache()
         for m in (policy, ref):
             for layer in m.model.layers:
                 layer.compile()
@@ -313,15 +288,33 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
     if cfg.learner.packing:
         for m in (policy, ref):
             attention = packing.packed_attention(m, device, compute)
-    budget = args.micro_tokens or packing.default_micro_batch_tokens(policy.config, device, compute, args.checkpointing)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=device.type == "cuda")
+    if device.type == "cuda":
+        needs = memory_needs(cfg, [policy], 1, policy.config)  # no generator on this GPU
+        budget, ckpt = packing.choose_micro_batch(torch.cuda.mem_get_info(device)[0], policy.config, compute,
+                                                  cfg.learner.activation_checkpointing, needs, args.micro_tokens)
+    else:
+        budget, ckpt = args.micro_tokens or 8192, cfg.learner.activation_checkpointing is True
+    if ckpt:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    switches = {"compile": compiled, "activation_checkpointing": ckpt, "attention": attention}
+    return cfg, policy, ref, opt, budget, switches
+
+
+def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dict:
+    """One learner step as the learner runs it, on ragged or uniform sequences (see the docstring)."""
+    from learners import packing
+    from learners.batch import build_step
+    from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
+
+    cfg, policy, ref, opt, budget, switches = ragged_setup(kind, shape, device, args)
     vocab = policy.config.vocab_size
     groups = ragged_groups(num_seqs, vocab, seed=0, uniform_seq=args.uniform_seq if kind != "ragged" else 0,
-                           total_tokens=total_tokens)
+                           total_tokens=total_tokens, max_completion=args.max_completion)
     last = {}
 
-    def step():
-        st = build_step(groups, device)
+    def step(gs=groups):
+        st = build_step(gs, device)
         plan = packing.plan_step(st.group_sizes, st.lengths, st.comp_len, world=1, minibatches=1, epochs=1,
                                  budget=budget, packed=cfg.learner.packing, seed=0)
         micro = rank_micro_batches(plan, 0)
@@ -343,18 +336,20 @@ def run_ragged(kind, shape, device, num_seqs, args, peak, total_tokens=0) -> dic
         (times if i >= args.warmup else warm).append(time.perf_counter() - t)
     med = statistics.median(times)
     real = sum(st.lengths)
-    c = policy.config
-    body_train, body_fwd = flops_per_token(policy, 0, head=False)
-    attn = sum(c.num_hidden_layers * n * c.num_attention_heads * c.head_dim * n for n in st.lengths)
-    head_train, head_fwd = head_flops_per_token(policy)
-    flops = (body_train + body_fwd) * real + 8 * attn + (head_train + head_fwd) * st.num_tokens
+    # learners/flops.py, as the learner's `mfu` counts it: reference forward + one forward and backward
+    flops = step_flops(ModelFlops.of(policy), st.lengths, st.num_tokens, reference=True)
     row = {"variant": kind, "shape": shape, "num_seqs": st.num_seqs, "real_tokens": real,
-           "completion_tokens": st.num_tokens, "micro_batch_tokens": budget, "attention": attention,
+           "completion_tokens": st.num_tokens, "micro_batch_tokens": budget, **switches,
            "micro_batches": last["micro_batches"], "pad_frac": last["pad_frac"], "step_s_median": med,
            "step_s_all": times, "warmup_s_all": warm, "real_tokens_per_s": real / med, "tflops_per_s": flops / med / 1e12,
            "mfu": flops / med / peak,
            "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-           "loss": last.get("loss"), "grad_norm": last.get("grad_norm"), "compile": args.compile}
+           "loss": last.get("loss"), "grad_norm": last.get("grad_norm")}
+    if args.profile_dir and kind == "ragged":
+        # Run by main_ragged once the row is written: a profile cut short by a time limit loses no row.
+        few = groups[: max(1, args.trace_seqs // 8)]  # the trace: a step of the first groups, the same micro-batches
+        row["_profile"] = lambda: save_profile(step, lambda: step(few), device, Path(args.profile_dir),
+                                               f"{shape}_{num_seqs}")
     return row
 
 
@@ -366,6 +361,7 @@ def main_ragged(args, device, peak, meta) -> int:
         for n in [int(x) for x in args.num_seqs.split(",")]:
             ragged = None
             for kind in ("ragged",) if args.no_uniform else ("ragged", "uniform"):
+                failed = False
                 try:
                     row = run_ragged(kind, shape, device, n, args, peak,
                                      total_tokens=ragged["real_tokens"] if ragged else 0)
@@ -377,37 +373,124 @@ def main_ragged(args, device, peak, meta) -> int:
                 except Exception as e:
                     traceback.print_exc()
                     row = {"variant": kind, "shape": shape, "num_seqs": n, "error": f"{type(e).__name__}: {e}"[:500]}
-                    if kind == "ragged":
-                        break
+                    failed = True
+                profile = row.pop("_profile", None)
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "step_s_all"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("step_s_all", "profile")}), flush=True)
                 out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                if profile is not None:
+                    row["profile"] = profile()
+                    print(json.dumps({"profile": {k: v for k, v in row["profile"].items() if k != "top_kernels"}}))
+                    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                    del profile
+                # Compiled code holds on to the models' graphs: dropped, the next case compiles again
+                # from the inductor cache on disk (its first step shows what a cached compile costs).
+                torch._dynamo.reset()
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    print(f"\npeak (measured bf16 8192^3 matmul): {meta['peak_bf16_matmul_tflops']:.0f} TFLOP/s on {meta['device']}")
-    print(f"| {'shape':5} | {'variant':8} | {'seqs':>5} | {'real tok':>9} | {'micro':>5} | {'pad':>5} | {'step s':>7} | "
-          f"{'real tok/s':>10} | {'MFU':>5} | {'/uniform':>8} | {'mem GiB':>7} |")
-    print("|" + "|".join("-" * w for w in (7, 10, 7, 11, 7, 7, 9, 12, 7, 10, 9)) + "|")
+                if failed and kind == "ragged":
+                    break  # no uniform batch to compare with
+    print_ragged_table(rows, meta)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def print_ragged_table(rows, meta) -> None:
+    print(f"\npeak (measured {meta['peak_label']} matmul, this run): {meta['peak_bf16_matmul_tflops']:.4g} TFLOP/s "
+          f"on {meta['device']}")
+    print(f"| {'shape':5} | {'variant':8} | {'seqs':>5} | {'real tok':>9} | {'micro tok':>9} | {'mbs':>4} | "
+          f"{'ckpt':4} | {'comp':4} | {'first s':>7} | {'step s':>7} | {'real tok/s':>10} | {'TFLOP/s':>7} | "
+          f"{'MFU':>5} | {'/uniform':>8} | {'mem GiB':>7} |")
+    print("|" + "|".join("-" * w for w in (7, 10, 7, 11, 11, 6, 6, 6, 9, 9, 12, 9, 7, 10, 9)) + "|")
     for r in rows:
         if "error" in r:
             print(f"| {r['shape']:5} | {r['variant']:8} | {r['num_seqs']:5} | failed: {r['error'][:80]}")
             continue
         mem = f"{r['max_mem_gib']:.1f}" if r["max_mem_gib"] is not None else "-"
         ratio = f"{r['ragged_over_uniform']:.2f}" if "ragged_over_uniform" in r else "-"
-        print(f"| {r['shape']:5} | {r['variant']:8} | {r['num_seqs']:5} | {r['real_tokens']:9} | {r['micro_batches']:5} | "
-              f"{r['pad_frac']:5.3f} | {r['step_s_median']:7.3f} | {r['real_tokens_per_s']:10.0f} | "
-              f"{100 * r['mfu']:4.1f}% | {ratio:>8} | {mem:>7} |")
-    return 0 if all("error" not in r for r in rows) else 1
+        first = f"{r['warmup_s_all'][0]:.1f}" if r["warmup_s_all"] else "-"
+        print(f"| {r['shape']:5} | {r['variant']:8} | {r['num_seqs']:5} | {r['real_tokens']:9} | "
+              f"{r['micro_batch_tokens']:9} | {r['micro_batches']:4} | {'on' if r['activation_checkpointing'] else 'off':4} | "
+              f"{'on' if r['compile'] else 'off':4} | {first:>7} | {r['step_s_median']:7.3f} | "
+              f"{r['real_tokens_per_s']:10.0f} | {r['tflops_per_s']:7.1f} | {100 * r['mfu']:4.1f}% | {ratio:>8} | {mem:>7} |")
+
+
+KERNEL_FAMILIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90_", "cublas")), ("attention", ("flash", "fmha", "attention")),
+                   ("triton", ("triton",)), ("nccl", ("nccl",)), ("copy", ("memcpy", "memset", "copy", "cat")),
+                   ("optimizer", ("adam", "multi_tensor")), ("softmax/reduce", ("softmax", "reduce", "logsumexp")))
+# Host calls that wait for the device, and the operators that make them (item / float / int of a
+# tensor, boolean indexing).
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")
+
+
+def kernel_families(prof) -> tuple[dict[str, float], list]:
+    """Device seconds by kernel family, and the top kernels (seconds, count, name)."""
+    by_family: dict[str, float] = {}
+    top = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not t or ev.key.startswith("ProfilerStep") or ev.key.startswith("aten::"):
+            continue
+        name = ev.key.lower()
+        fam = next((f for f, keys in KERNEL_FAMILIES if any(k in name for k in keys)), "other")
+        by_family[fam] = by_family.get(fam, 0.0) + t / 1e6
+        top.append((t / 1e6, ev.count, ev.key[:90]))
+    top.sort(reverse=True)
+    return by_family, top
+
+
+def save_profile(step, small_step, device: torch.device, out_dir: Path, tag: str) -> dict:
+    """One more step under torch.profiler (host and device): kernel time by family, how busy the GPU
+    was (kernel time / wall time; the host's tracing slows it, so a lower bound), the host-device
+    syncs; written to OUT_DIR: learner_profile_TAG.txt (key_averages tables, by device and by host
+    time); and learner_trace_TAG.json.gz, the Chrome trace of `small_step` (a step of a few of the
+    groups, so that the file stays small; left out when over 15 MiB)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sync(device)
+    t0 = time.perf_counter()
+    cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+        step()
+        sync(device)
+    wall = time.perf_counter() - t0
+    by_family, top = kernel_families(prof)
+    events = prof.key_averages()
+    syncs = {ev.key: ev.count for ev in events if ev.key in SYNC_CALLS + SYNC_OPS}
+    tables = []
+    for sort in ("self_device_time_total", "self_cpu_time_total"):
+        try:
+            tables.append(f"== sorted by {sort}\n" + events.table(sort_by=sort, row_limit=60, max_name_column_width=70))
+        except (AttributeError, KeyError, ValueError):
+            tables.append(f"== sorted by {sort}: not available\n")
+    (out_dir / f"learner_profile_{tag}.txt").write_text("\n\n".join(tables))
+    with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+        small_step()
+        sync(device)
+    trace = out_dir / f"learner_trace_{tag}.json.gz"
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(trace, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+    if trace.stat().st_size > 15 * 2**20:
+        trace.unlink()
+    kernel_s = sum(by_family.values())
+    return {"wall_s": wall, "kernel_s_total": kernel_s, "gpu_busy_frac": kernel_s / wall,
+            "kernel_s_by_family": by_family, "top_kernels": top[:15], "syncs": syncs,
+            "trace": trace.name if trace.exists() else None}
 
 
 def profile_step(step) -> dict:
     """One step under torch.profiler: device time by kernel family, and the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    families = (("gemm", ("gemm", "cutlass", "xmma", "sm90_", "cublas")), ("attention", ("flash", "fmha", "attention")),
-                ("triton", ("triton",)), ("nccl", ("nccl",)), ("copy", ("memcpy", "memset", "copy", "cat")),
-                ("optimizer", ("adam", "multi_tensor")), ("softmax/reduce", ("softmax", "reduce", "logsumexp")))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -425,17 +508,7 @@ def profile_step(step) -> dict:
                           if any(k in ev.key for k in ("FSDP", "Optimizer", "Torch-Compiled", "CompiledFunction",
                                                         "autograd::engine", "clip", "aten::_foreach"))),
                          reverse=True)[:20]
-    by_family: dict[str, float] = {}
-    top = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if not t or ev.key.startswith("ProfilerStep") or ev.key.startswith("aten::"):
-            continue
-        name = ev.key.lower()
-        fam = next((f for f, keys in families if any(k in name for k in keys)), "other")
-        by_family[fam] = by_family.get(fam, 0.0) + t / 1e6
-        top.append((t / 1e6, ev.count, ev.key[:90]))
-    top.sort(reverse=True)
+    by_family, top = kernel_families(prof)
     return {"wall_s": wall, "kernel_s_by_family": by_family, "kernel_s_total": sum(by_family.values()),
             "top_kernels": top[:25], "cpu_self_top": cpu_top, "cpu_regions": cpu_regions}
 
@@ -503,8 +576,14 @@ def main(argv=None) -> int:
     p.add_argument("--micro-tokens", type=int, default=0, help="--ragged: learner.micro_batch_tokens (0: default)")
     p.add_argument("--keep-logits-gb", type=float, default=None,
                    help="--ragged: learner.keep_logits_gb (default: the config's default)")
-    p.add_argument("--checkpointing", action="store_true", help="--ragged: activation checkpointing")
-    p.add_argument("--compile", action="store_true", help="--ragged: learner.compile (each decoder layer compiled)")
+    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
+                   help="--ragged: learner.activation_checkpointing (auto: as the learner chooses it)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="--ragged: learner.compile, each decoder layer compiled (auto: as the learner chooses it)")
+    p.add_argument("--max-completion", type=int, default=2048, help="--ragged: longest completion (tokens)")
+    p.add_argument("--profile-dir", default="", help="--ragged: profile one more ragged step, write its tables "
+                   "and the gzipped Chrome trace of a step of --trace-seqs sequences here")
+    p.add_argument("--trace-seqs", type=int, default=64, help="--ragged: sequences of the traced step")
     p.add_argument("--no-uniform", action="store_true", help="--ragged: skip the uniform batches of the same tokens")
     args = p.parse_args(argv)
     if args.tiny:
@@ -522,10 +601,10 @@ def main(argv=None) -> int:
             setattr(torch._dynamo.config, name, 64)
     import transformers
 
-    peak = measure_peak(device, 8192 if device.type == "cuda" else 512)
+    peak = measure_peak_flops(device)  # in this run, not the learner's cache
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "peak_bf16_matmul_tflops": peak / 1e12, "argv": sys.argv[1:]}
+            "peak_bf16_matmul_tflops": peak / 1e12, "peak_label": device_label(device), "argv": sys.argv[1:]}
     print(json.dumps(meta), flush=True)
     if args.ragged:
         rc = main_ragged(args, device, peak, meta)

@@ -289,7 +289,7 @@ def _micro_batch(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) ->
     policy = step.policy_mask_np[flat].astype(np.float32)
     mask = np.zeros(mb.mask_bT.numel(), np.float32)
     mask[_ranges(np.arange(len(seqs)) * mb.mask_bT.shape[1], comp)] = policy  # mb.grid_index
-    mb.mask_bT = torch.from_numpy(mask).view(mb.mask_bT.shape).to(step.device)
+    mb.mask_bT = _h2d(torch.from_numpy(mask).view(mb.mask_bT.shape), step.device)
     mb.num_policy = int(policy.sum())
     return mb
 
@@ -320,9 +320,9 @@ def _micro_inputs(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -
         # Completion token j of a sequence at row offset o sits at o + prompt + j and is predicted
         # at o + prompt + j - 1; rows index the 1 x (L-1) grid of predicting positions.
         rows = _ranges(offsets + prompt - 1, comp)
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
-        return MicroBatch(seqs=list(seqs), input_ids=torch.from_numpy(ids)[None].to(dev), attention_mask=None,
-                          position_ids=torch.from_numpy(pos)[None].to(dev),
+        cu = _h2d(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)), dev)
+        return MicroBatch(seqs=list(seqs), input_ids=_h2d(torch.from_numpy(ids)[None], dev), attention_mask=None,
+                          position_ids=_h2d(torch.from_numpy(pos)[None], dev),
                           attn_kwargs={"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lens.max()),
                                        "max_length_k": int(lens.max())},
                           rows=_tensor(rows, dev), flat_N=_tensor(flat, dev), grid_index=_tensor(grid_index, dev),
@@ -333,8 +333,8 @@ def _micro_inputs(step: StepBatch, seqs: list[int], packed: bool, pad_id: int) -
         ids[i, : lens[i]] = step.tokens[s]
     attn = (np.arange(L)[None, :] < lens[:, None]).astype(np.int64)
     rows = _ranges(np.arange(len(seqs)) * (L - 1) + prompt - 1, comp)
-    return MicroBatch(seqs=list(seqs), input_ids=torch.from_numpy(ids).to(dev),
-                      attention_mask=torch.from_numpy(attn).to(dev), position_ids=None, attn_kwargs={},
+    return MicroBatch(seqs=list(seqs), input_ids=_h2d(torch.from_numpy(ids), dev),
+                      attention_mask=_h2d(torch.from_numpy(attn), dev), position_ids=None, attn_kwargs={},
                       rows=_tensor(rows, dev), flat_N=_tensor(flat, dev), grid_index=_tensor(grid_index, dev),
                       mask_bT=_mask(comp, t_max, dev))
 
@@ -346,9 +346,18 @@ def _ranges(bases: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(bases, dtype=np.int64) - excl, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
+def _h2d(t: torch.Tensor, dev) -> torch.Tensor:
+    """A host tensor on `dev` without waiting for the device: a copy from pageable memory waits for
+    every kernel queued before it (the GPU drains at each micro-batch); one from pinned memory is
+    queued behind them, and the pinned buffer is not reused before the copy is done."""
+    if torch.device(dev).type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _tensor(a: np.ndarray, dev) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+    return _h2d(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), dev)
 
 
 def _mask(comp: np.ndarray, t_max: int, dev) -> torch.Tensor:
-    return torch.from_numpy((np.arange(t_max)[None, :] < np.asarray(comp)[:, None]).astype(np.float32)).to(dev)
+    return _h2d(torch.from_numpy((np.arange(t_max)[None, :] < np.asarray(comp)[:, None]).astype(np.float32)), dev)

@@ -118,23 +118,83 @@ def plan_step(group_sizes: list[int], lengths: list[int], comp_lengths: list[int
     return plan
 
 
-def default_micro_batch_tokens(model_config, device: torch.device, param_dtype: torch.dtype,
-                               activation_checkpointing: bool) -> int:
-    """Tokens per micro-batch when `learner.micro_batch_tokens=0`. CPU: 8192. CUDA: a quarter of the
-    device memory free now, divided by the activation bytes a token holds through forward and
-    backward (about (16 H + 4 I) values per decoder layer in the compute dtype, H hidden and I MLP
-    width; with activation checkpointing one layer's worth plus 2 H per layer), rounded down to
-    a multiple of 1024 and kept within [2048, 65536]."""
-    if device.type != "cuda":
-        return 8192
+MIN_AUTO_TOKENS = 4096  # below this, micro-batches are too small to keep a GPU busy: checkpoint instead
+MAX_AUTO_TOKENS = 65536
+_HEADROOM = 0.8  # of what is left: the caching allocator's fragmentation, the kernels' workspaces
+_SLACK = 1 << 30  # bytes kept free besides (the CUDA context, NCCL buffers, compiled graphs)
+
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """What a rank will still allocate besides the activations, in bytes, measured when the models
+    are loaded and their optimizers made (learners/setup.py `memory_needs`)."""
+
+    pending: int = 0  # training state not allocated yet: gradients, optimizer moments, gathered compute copies
+    reserve: int = 0  # fixed workspaces: the output head's chunks, kept logits, a generator sharing the GPU
+
+
+def activation_bytes_per_token(model_config, dtype: torch.dtype, checkpointing: bool) -> int:
+    """Bytes one token's activations hold through forward and backward: about (16 H + 4 I) values per
+    decoder layer in the compute dtype (H hidden, I MLP width; 3.4 MB a token at Qwen2.5-1.5B, where
+    an H100 measured 3.2 MB a token between 4096- and 12288-token micro-batches), one layer's worth
+    plus the 2 H layer inputs kept per layer with activation checkpointing; plus the head's saved
+    hidden row and its statistics."""
     h = model_config.hidden_size
     inter = getattr(model_config, "intermediate_size", 4 * h)
     layers = model_config.num_hidden_layers
-    per_layer = (16 * h + 4 * inter) * param_dtype.itemsize
-    per_token = (per_layer + 2 * h * param_dtype.itemsize * layers) if activation_checkpointing else per_layer * layers
+    per_layer = (16 * h + 4 * inter) * dtype.itemsize
+    body = (per_layer + 2 * h * dtype.itemsize * layers) if checkpointing else per_layer * layers
+    return body + h * dtype.itemsize + 16
+
+
+def head_workspace_bytes(model_config, dtype: torch.dtype) -> int:
+    """The chunked log-probs' largest working set (learners/logprobs.py): one chunk's logits in the
+    matmul dtype, their fp32 copy and their fp32 gradient."""
+    from learners.logprobs import default_chunk_rows
+
+    vocab = model_config.vocab_size
+    return default_chunk_rows(vocab) * vocab * (dtype.itemsize + 8)
+
+
+def fitting_tokens(free_bytes: int, model_config, dtype: torch.dtype, checkpointing: bool,
+                   needs: MemoryNeeds) -> int:
+    """Tokens a micro-batch's activations may hold in `free_bytes` once `needs` are met (0 if none)."""
+    usable = (free_bytes - needs.pending - needs.reserve - _SLACK) * _HEADROOM
+    return max(0, int(usable // activation_bytes_per_token(model_config, dtype, checkpointing)))
+
+
+def choose_micro_batch(free_bytes: int, model_config, dtype: torch.dtype, checkpointing: bool | str,
+                       needs: MemoryNeeds, requested_tokens: int = 0, min_tokens: int = MIN_AUTO_TOKENS
+                       ) -> tuple[int, bool]:
+    """(micro-batch tokens, activation checkpointing) for `free_bytes` of device memory.
+
+    Tokens: `requested_tokens` when set, else what fits (rounded down to a multiple of 1024, within
+    [2048, 65536]). Checkpointing `auto`: off where the micro-batch fits without it (at least
+    `requested_tokens`, else at least `min_tokens`), on where only checkpointing makes it fit."""
+    def tokens(ckpt: bool) -> int:
+        fit = fitting_tokens(free_bytes, model_config, dtype, ckpt, needs) // 1024 * 1024
+        return max(2048, min(MAX_AUTO_TOKENS, fit))
+
+    if checkpointing != "auto":
+        return requested_tokens or tokens(bool(checkpointing)), bool(checkpointing)
+    fit = fitting_tokens(free_bytes, model_config, dtype, False, needs)
+    if fit >= (requested_tokens or min_tokens):
+        return requested_tokens or tokens(False), False
+    return requested_tokens or tokens(True), True
+
+
+def default_micro_batch_tokens(model_config, device: torch.device, param_dtype: torch.dtype,
+                               activation_checkpointing: bool, needs: MemoryNeeds | None = None) -> int:
+    """Tokens per micro-batch. CPU: 8192. CUDA: what the device memory free now holds once `needs`
+    are met (`choose_micro_batch`); without `needs` (a caller that knows nothing of the step's other
+    memory) a quarter of it."""
+    if device.type != "cuda":
+        return 8192
     free, _ = torch.cuda.mem_get_info(device)
-    tokens = int(free * 0.25 // per_token) // 1024 * 1024
-    return max(2048, min(65536, tokens))
+    if needs is None:
+        per_token = activation_bytes_per_token(model_config, param_dtype, bool(activation_checkpointing))
+        return max(2048, min(MAX_AUTO_TOKENS, int(free * 0.25 // per_token) // 1024 * 1024))
+    return choose_micro_batch(free, model_config, param_dtype, bool(activation_checkpointing), needs)[0]
 
 
 # ---- attention inside packed rows -----------------------------------------------------------------

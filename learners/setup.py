@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from asyncrl.config import Config
 from asyncrl.protocol.weight_sync import to_dtype
 from learners import checkpoint, packing
 from learners.critic import load_value_model
+from learners.flops import ModelFlops, device_peak_flops
 from learners.lora import adapters_disabled, apply_lora, base_name, merged_shapes, merged_tensors
 
 log = logging.getLogger("learners.trainer")  # the learner's records keep the one name they have always had
@@ -47,6 +50,63 @@ def fsdp_switches(lc, world: int) -> tuple[bool, bool]:
     return pick(lc.reshard_after_forward), pick(lc.shard_layers)
 
 
+AUTO_COMPILE_PARAMS = 400_000_000  # learner.compile=auto compiles models at least this large, on CUDA
+
+
+def compile_wanted(setting, device: torch.device, model) -> bool:
+    """learner.compile: `auto` is on CUDA for models of at least AUTO_COMPILE_PARAMS parameters (below,
+    steps are short and the ~15 s of compilation outweighs what it saves in a short run)."""
+    if setting != "auto":
+        return bool(setting)
+    return device.type == "cuda" and sum(p.numel() for p in model.parameters()) >= AUTO_COMPILE_PARAMS
+
+
+def keep_compile_cache() -> None:
+    """Compiled kernels cached across runs (TORCHINDUCTOR_CACHE_DIR, unless set: ~/.cache/asyncrl/inductor),
+    and room for the graphs of every decoder layer and micro-batch shape before dynamo gives up on one."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncrl" / "inductor"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+
+
+def generator_share(cfg: Config, device: torch.device, model_params: int) -> int:
+    """Bytes a local generator's engine on this GPU will hold that it does not hold yet. The local
+    launcher puts its engines on the first GPU, beside learner rank 0: generator.kv_cache_memory_gb
+    + the weights + 2 GiB, or gpu_memory_utilization of the device, less what other processes hold now."""
+    g = cfg.generator
+    if device.type != "cuda" or (device.index or 0) != 0 or g.num_generators == 0:
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    share = int(g.kv_cache_memory_gb * 2**30 + model_params * 2 + 2 * 2**30) if g.kv_cache_memory_gb else \
+        int(g.gpu_memory_utilization * total)
+    others = total - free - torch.cuda.memory_reserved(device) - 2**29  # less this process's CUDA context
+    return max(0, share - max(0, others))
+
+
+def memory_needs(cfg: Config, trainable: list, world: int, config, generator_bytes: int = 0) -> packing.MemoryNeeds:
+    """What a rank still allocates besides the activations once its models are loaded: each trainable
+    parameter shard's gradient and two AdamW moments (none on the device with param_offload), the
+    gathered compute-dtype copies FSDP2 keeps without resharding, the output head's chunk workspace,
+    the kept logits (learner.keep_logits_gb) and `generator_bytes`."""
+    lc = cfg.learner
+    dtype = to_dtype(lc.mixed_precision.param_dtype)
+    reshard, _ = fsdp_switches(lc, world)
+    pending = 0
+    for m in trainable:
+        params = list(m.parameters())
+        if not lc.param_offload:
+            for p in params:
+                if p.requires_grad:
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    pending += 3 * local.numel() * local.element_size()
+        if not reshard and dtype != torch.float32:
+            pending += sum(p.numel() for p in params) * dtype.itemsize
+    reserve = packing.head_workspace_bytes(config, dtype) + int(lc.keep_logits_gb * 2**30) + generator_bytes
+    return packing.MemoryNeeds(pending=pending, reserve=reserve)
+
+
 class Parts:
     """What the learner trains and holds, the same on every rank (each holding its shards)."""
 
@@ -70,19 +130,47 @@ class Parts:
             self.ref_model = model if self.lora else self._build_model(mesh, trainable=False)
             self.ref_checksum = self._ref_checksum()
         self._build_critic(mesh)
-        # Micro-batches: memory is set by their token budget, not by the batch (learners/packing.py).
         compute_dtype = to_dtype(lc.mixed_precision.param_dtype)
-        self.micro_batch_tokens = lc.micro_batch_tokens or packing.default_micro_batch_tokens(
-            model.config, device, compute_dtype, lc.activation_checkpointing)
+        self.micro_batch_tokens, self.activation_checkpointing = self._size_micro_batches(compute_dtype)
+        # The `mfu` metric: the step's model FLOPs (learners/flops.py) over the device's peak.
+        self.policy_flops = ModelFlops.of(model)
+        self.critic_flops = ModelFlops.of(self.critic, with_head=False) if self.critic is not None else None
+        self.peak_flops, peak_source = device_peak_flops(device, lc.peak_tflops)
         self.attention = "padded"
         if lc.packing:
             for m in {id(x): x for x in (model, self.ref_model, self.critic) if x is not None}.values():
                 self.attention = packing.packed_attention(m, device, compute_dtype)
         if rank == 0:
-            log.info("micro-batches of at most %d tokens a rank, attention: %s", self.micro_batch_tokens,
-                     self.attention)
+            log.info("micro-batches of at most %d tokens a rank, attention: %s, activation checkpointing: %s, "
+                     "compiled layers: %s, peak %.0f TFLOP/s (%s)", self.micro_batch_tokens, self.attention,
+                     self.activation_checkpointing, self.compiled, self.peak_flops / 1e12, peak_source)
         self.pad_id = model.config.pad_token_id or 0
         self.aliases = self._tied_aliases()
+
+    def _size_micro_batches(self, compute_dtype: torch.dtype) -> tuple[int, bool]:
+        """(tokens per micro-batch, activation checkpointing), the same on every rank (the plan depends
+        on them): learner.micro_batch_tokens or what the memory free now holds (learners/packing.py),
+        checkpointing `auto` switched on here where the micro-batch fits only with it."""
+        lc, g = self.cfg.learner, self.cfg.generator
+        trainable = [m for m in (self.model, self.critic) if m is not None]
+        if not self.cuda:
+            tokens, ckpt = lc.micro_batch_tokens or 8192, lc.activation_checkpointing is True
+        else:
+            num_params = sum(p.numel() for p in self.model.parameters())
+            needs = memory_needs(self.cfg, trainable, self.world, self.model.config,
+                                 generator_share(self.cfg, self.device, num_params))
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens, ckpt = packing.choose_micro_batch(free, self.model.config, compute_dtype,
+                                                      lc.activation_checkpointing, needs, lc.micro_batch_tokens,
+                                                      max(packing.MIN_AUTO_TOKENS, g.max_model_len))
+        if self.world > 1:
+            both = torch.tensor([tokens, -int(ckpt)], device=self.device)
+            dist.all_reduce(both, op=dist.ReduceOp.MIN)
+            tokens, ckpt = int(both[0]), bool(both[1] < 0)
+        if ckpt and lc.activation_checkpointing == "auto":
+            for m in trainable:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return tokens, ckpt
 
     def _build_critic(self, mesh) -> None:
         """advantage=gae: a value model with its own optimizer and schedule (learners/critic.py); full
@@ -117,7 +205,7 @@ class Parts:
         """`fully_shard` each decoder layer (`model.model.layers`, or `model.layers` for the critic),
         then the root."""
         lc = self.cfg.learner
-        if trainable and lc.activation_checkpointing:
+        if trainable and lc.activation_checkpointing is True:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = lc.mixed_precision
         reshard, shard_layers = fsdp_switches(lc, self.world)
@@ -130,8 +218,11 @@ class Parts:
         layers = model.model.layers if hasattr(model, "model") else model.layers
         # A frozen model on one rank has nothing to shard over: FSDP2 would only add copies.
         shard = trainable or self.world > 1 or lc.param_offload
+        self.compiled = compile_wanted(lc.compile, self.device, model)
+        if self.compiled:
+            keep_compile_cache()
         for layer in layers:
-            if lc.compile:
+            if self.compiled:
                 # In place (nn.Module.compile): wrapping the layer would put `_orig_mod.` into every
                 # parameter name, which the generators' models do not have.
                 layer.compile()

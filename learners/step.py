@@ -259,14 +259,18 @@ class _Stats:
                 self.sums[k] = self.sums.get(k, 0.0) + v * n
 
 
-def kept_counts(step: StepBatch, mbatch, kept_S: torch.Tensor | None) -> tuple[int, int]:
+def kept_counts(step: StepBatch, mbatch, kept_S: torch.Tensor | list[float] | None) -> tuple[int, int]:
     """The mini-batch's loss normalisers (tokens, sequences on all ranks) after rejection sampling:
     rejected tokens leave the token count, and a sequence with none of its tokens kept leaves the
-    sequence count (an empty completion stays, as without rejection)."""
+    sequence count (an empty completion stays, as without rejection). `kept_S` as a list (copied
+    from the device once a step) costs no device sync per mini-batch."""
     if kept_S is None:
         return mbatch.num_tokens, mbatch.num_seqs
     seqs = [s for rank_micro in mbatch.micro for micro in rank_micro for s in micro]
-    kept = kept_S[seqs].tolist() if seqs else []
+    if isinstance(kept_S, list):
+        kept = [kept_S[s] for s in seqs]
+    else:
+        kept = kept_S[seqs].tolist() if seqs else []
     policy_len = step.policy_len
     dropped = sum(1 for s, k in zip(seqs, kept, strict=True) if policy_len[s] > 0 and k == 0)
     return int(round(sum(kept))), mbatch.num_seqs - dropped
@@ -282,14 +286,17 @@ class _SampledStats:
 
     def add(self, logp_bT: torch.Tensor, behav_bT: torch.Tensor, ent_bT: torch.Tensor, valid_bT: torch.Tensor,
             is_cap: float) -> None:
+        # Masked by `where`, not by boolean indexing: indexing asks the device how many tokens are
+        # valid, a sync per micro-batch that leaves the GPU idle while the host waits.
         m = valid_bT.bool()
-        w = torch.exp(logp_bT.detach() - behav_bT)[m]
-        self.w_sum, self.w_sq = self.w_sum + w.sum(), self.w_sq + (w**2).sum()
-        self.w_max = torch.maximum(self.w_max, w.max())
-        self.capped = self.capped + (w > is_cap).sum()
+        w = torch.exp(logp_bT.detach() - behav_bT)
+        w0 = torch.where(m, w, 0.0)
+        self.w_sum, self.w_sq = self.w_sum + w0.sum(), self.w_sq + (w0**2).sum()
+        self.w_max = torch.maximum(self.w_max, torch.where(m, w, float("-inf")).max())
+        self.capped = self.capped + ((w > is_cap) & m).sum()
         # Monte-Carlo entropy estimate from the sampled tokens: -E[log pi(a)].
-        self.neg_logp = self.neg_logp - logp_bT.detach()[m].sum()
-        self.ent_sum = self.ent_sum + ent_bT.detach()[m].sum()
+        self.neg_logp = self.neg_logp - torch.where(m, logp_bT.detach(), 0.0).sum()
+        self.ent_sum = self.ent_sum + torch.where(m, ent_bT.detach(), 0.0).sum()
 
     def fill(self, st: dict, n: int) -> None:
         """Means over `n` tokens into `st`, where the loss did not report its own."""
@@ -378,7 +385,8 @@ def _step_stats(stats: _Stats, sampled: _SampledStats, targets: Targets, loss_pa
     # One device-to-host copy for every statistic (they are 0-dim tensors or floats until here).
     names = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
     values = torch.stack([st[k].detach().float().reshape(()).to(device) for k in names]).tolist() if names else []
-    return {**{k: float(v) for k, v in st.items()}, **dict(zip(names, values, strict=True))}
+    copied = dict(zip(names, values, strict=True))
+    return {k: copied[k] if k in copied else float(v) for k, v in st.items()}
 
 
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan, cfg: Config,
@@ -399,6 +407,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step
     alg, lc = cfg.algorithm, cfg.learner
     norm_tokens = alg.loss_norm_tokens or cfg.generator.max_tokens
     kept_S = kept_per_sequence(step, targets.keep_N)
+    kept_S = kept_S.tolist() if kept_S is not None else None  # one copy a step, not one per mini-batch
     stats, sampled, loss_parts, grad_norms = _Stats(), _SampledStats(step.device), [], []
     model.train()
     for epoch, minibatches in enumerate(plan.epochs):

@@ -14,6 +14,7 @@ from asyncrl.protocol import schema
 from learners import packing
 from learners.batch import build_step
 from learners.critic import critic_update, old_values
+from learners.flops import step_flops
 from learners.setup import Parts
 from learners.step import batch_targets, logprobs_N, policy_update, rank_micro_batches
 from learners.warmup import WARMUP_PROMPT_TOKENS, frozen_training_state, synthetic_groups
@@ -66,8 +67,13 @@ def train_step(parts: Parts, groups: list[schema.TrajectoryGroup], step_index: i
         parts.kl_ctl.update(out["kl"], step.num_seqs)  # the controller's horizon counts samples
     out["lr"] = lr
     out.update({k: st[k] for k in GLOBAL_STATS if k in st})
-    step_s = time.perf_counter() - t0
+    step_s = time.perf_counter() - t0  # the statistics' copy above waited for the device's last kernel
     real = sum(step.lengths)
+    # Per device: the step's model FLOPs over all ranks, its compute time and the device's peak.
+    flops = step_flops(parts.policy_flops, step.lengths, step.num_tokens, epochs=lc.ppo_epochs,
+                       reference=ref_logp is not None, proximal=targets.prox_N is not None, critic=parts.critic_flops)
+    per_device = flops / max(step_s, 1e-9) / parts.world
+    out.update(tflops=per_device / 1e12, mfu=per_device / parts.peak_flops)
     processed = plan.processed_tokens(step.lengths, lc.packing)
     out.update(updates=float(plan.num_updates), micro_batches=float(plan.micro_batches(parts.rank)),
                pad_frac=1.0 - real * lc.ppo_epochs / max(processed, 1), real_tokens_per_s=real / max(step_s, 1e-9),

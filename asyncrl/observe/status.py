@@ -49,7 +49,7 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
                "dropped_groups": int(_num(lh.get("dropped_groups"), 0)),
                "quarantined": int(_num(lh.get("quarantined"), 0)), "metrics_url": exporters.get("learner"),
                # the last step's breakdown: computing, waiting for a batch, held up by the push
-               **{k: _num(lh.get(k)) for k in ("compute_s", "data_wait_s", "sync_s", "push_wait_s")}}
+               **{k: _num(lh.get(k)) for k in ("compute_s", "data_wait_s", "sync_s", "push_wait_s", "mfu")}}
     bm = {k.split(":", 1)[1]: v for k, v in _dec(client.hgetall(keys.metrics)).items() if k.startswith("buffer:")}
     try:
         depth = group_lag(client, keys.trajectories, "learner")
@@ -114,7 +114,8 @@ def render(snap: dict):
                   f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")
     if lr.get("compute_s") is not None:
         roles.add_row("last step", f"compute {lr['compute_s']:.3f}s", f"waiting for data {lr['data_wait_s']:.3f}s",
-                      f"push {lr['sync_s']:.3f}s", f"of which waiting {lr['push_wait_s']:.3f}s")
+                      f"push {lr['sync_s']:.3f}s", f"of which waiting {lr['push_wait_s']:.3f}s",
+                      f"mfu {lr['mfu']:.1%}" if lr.get("mfu") is not None else "mfu -")
     if bf["rejected"]:  # refused frames and handshakes, by reason
         roles.add_row("refused", *[f"{k} {v}" for k, v in bf["rejected"].items()][:7])
     lag = Table(title=f"version lag, last {snap['lag']['batches']} batches (tokens)", expand=True)
