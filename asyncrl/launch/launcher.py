@@ -228,6 +228,8 @@ class Launcher:
         print(f"asyncrl run: {cfg.run.name} in {self.run_dir} | {cfg.generator.num_generators} generator(s), "
               f"{cfg.learner.nproc} learner rank(s), {cfg.run.max_steps} steps | logs in {self.run_dir}/logs",
               flush=True)
+        if cfg.run.purpose:
+            print(f"purpose: {cfg.run.purpose}", flush=True)
         return buffer_argv
 
     def _supervise(self, client, keys, cfg_path: Path, buffer_argv: list[str]) -> int:
@@ -255,6 +257,8 @@ class Launcher:
                     return 1
                 self._wait_others_exit()
                 print(f"asyncrl run: done; metrics in {self.run_dir / 'metrics.jsonl'}", flush=True)
+                if cfg.run.purpose:
+                    print(f"purpose: {cfg.run.purpose}", flush=True)
                 return 0
             if self._other_role_failed(scaler.removed):
                 return 1

