@@ -50,11 +50,12 @@ def test_ctrl_c_of_each_hand_started_role_is_quiet_and_quick(tmp_path, redis_ser
         for name in ("learner", "generator", "buffer"):
             seconds, said = _ctrl_c(roles[name], tmp_path / f"{name}.log")
             assert roles[name].poll() is not None and seconds < 5.0, (name, seconds, said[-3000:])
+            print(f"{name}: gone {seconds:.1f}s after Ctrl-C")
             assert "Traceback" not in said and "KeyboardInterrupt" not in said, (name, said[-3000:])
+            assert "not done in time" not in said, (name, said[-3000:])  # the learner closed its group
             if name == "learner":
                 lines = [line for line in said.splitlines() if line.strip()]
-                assert len(lines) == 1 and lines[0].startswith("[rank0]: learner: interrupted (SIGINT)") \
-                    or len(lines) == 1 and lines[0].startswith("learner: interrupted (SIGINT)"), said[-3000:]
+                assert len(lines) == 1 and lines[0].startswith("learner: interrupted (SIGINT)"), said[-3000:]
     finally:
         for p in roles.values():
             kill_tree(p.pid, signal.SIGKILL)

