@@ -22,6 +22,7 @@ def test_the_guessing_game_runs_multi_turn_episodes_end_to_end(tmp_path):
     assert len(purpose) == 2 and r.stdout.rstrip().endswith(purpose[1]), r.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "guess_cpu" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    print("tool errors an episode:", [row["episode/tool_errors_mean"] for row in rows])
     for row in rows:
         # Episodes of several turns, each turn answered by the game; observations are not the policy's.
         assert 1 < row["episode/turns_mean"] <= 4 and row["episode/turns_max"] <= 4
