@@ -9,8 +9,10 @@ finds it (vLLM's config module reaches `transformers.image_utils`), and the impo
 library fails to load (`OSError`, not the ImportError vLLM catches). Either ends the generator before
 its engine starts. asyncrl trains text models and uses none of them, so a process that finds such a
 mismatch marks the package absent (`sys.modules[name] = None`: `find_spec` answers None and an import
-raises ImportError), which the processes it forks inherit. Read from the packages' version files
-(`2.13.0+cpu`, `0.28.0+cu130`), without importing any of them.
+raises ImportError), which the processes it forks inherit (vLLM's engine core on CPU, forked by
+default). An engine core started with `generator.engine_start=spawn` is a fresh interpreter that
+imports vLLM before any asyncrl code: there the packages must be uninstalled. Read from the packages'
+version files (`2.13.0+cpu`, `0.28.0+cu130`), without importing any of them.
 """
 
 from __future__ import annotations
