@@ -83,6 +83,9 @@ class RunConfig(Section):
     affinity: Literal["auto", "off"] = "auto"
     """CPU affinity when no role's `cpus` is set. auto: on a machine of at most 4 CPUs the launcher pins the
     roles apart (asyncrl/launch/affinity.py); off: never pins unless a role's `cpus` says so."""
+    purpose: str = ""
+    """What a run of this config shows, in a sentence; `asyncrl run` prints it at its start and its end
+    (the CPU configs of real models say there that they check the path, not learning)"""
 
 
 class TinyModelConfig(Section):

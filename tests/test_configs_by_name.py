@@ -60,3 +60,14 @@ def test_every_shipped_config_of_a_long_run_writes_checkpoints():
     assert {"smollm2_arith", "gsm8k_grpo_qwen2.5_0.5b"} <= set(long_runs)
     assert all(0 < cfg.checkpoint.every <= cfg.run.max_steps for cfg in long_runs.values()), \
         {name: cfg.checkpoint.every for name, cfg in long_runs.items()}
+
+
+def test_every_cpu_config_of_a_real_model_or_an_episode_says_what_it_shows():
+    """The short CPU runs of real models and agentic tasks print reward 0 and loss 0 at every step: each
+    says in its own output (run.purpose, printed at the start and the end) that it checks the path."""
+    configs = {name: load_config(path) for name, path in shipped_configs().items()}
+    short = {name: cfg for name, cfg in configs.items()
+             if name.endswith("_cpu") and (cfg.model.path or cfg.data.task in ("guess", "calc", "gsm8k_python"))}
+    assert {"smollm2_arith_cpu", "guess_cpu", "calc_cpu", "gsm8k_python_cpu"} <= set(short)
+    for name, cfg in short.items():
+        assert cfg.run.purpose.startswith("a path check, not learning"), name

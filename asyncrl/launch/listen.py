@@ -5,6 +5,7 @@ the address they are given (`--master-addr` / the `--rdzv-endpoint` host), not t
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from asyncrl.protocol.tcpstore import bound_tcpstore_class
@@ -25,8 +26,20 @@ def _patch_torchrun() -> None:
             module.TCPStore = cls
 
 
+class _QuietOnSignal(logging.Filter):
+    """Drops torchrun's two warnings when a signal ends it ("Received 2 death signal, shutting down
+    workers", "Sending process N closing signal SIGINT"): Ctrl-C of a learner is one line, its rank 0's
+    (learners/main.py), and the launcher's teardown prints none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("death signal, shutting down workers" in text or " closing signal " in text)
+
+
 def main() -> None:
     _patch_torchrun()
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(_QuietOnSignal())
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 

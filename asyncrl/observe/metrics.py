@@ -42,16 +42,50 @@ def complete_rows(path: Path | str) -> list[dict]:
 
 
 class JsonlBackend:
+    """`metrics.jsonl`, one row per step. A learner that resumed a checkpoint trains the steps after it
+    again: its first row of step `s` supersedes the rows of step `s` and later that an earlier
+    learner wrote, which move to `metrics.rolled_back.jsonl` (kept, not lost), so the file holds
+    each step once, the row of the weights the run went on from."""
+
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._first = True
 
     def log(self, step: int, row: dict) -> None:
+        if self._first:
+            self._first = False
+            supersede_rows(self.path, step)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         pass
+
+
+def supersede_rows(path: Path, step: int) -> int:
+    """Moves the rows of `path` whose step is `step` or later to `{stem}.rolled_back.jsonl` beside it
+    (appended) and rewrites `path` without them, atomically; returns how many moved. A last line
+    cut short (a learner killed mid-write) is dropped too, so that the next row starts a line."""
+    rows = complete_rows(path)
+    stale = [r for r in rows if int(r.get("step", 0)) >= step]
+    if not stale:
+        if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            _rewrite(path, rows)
+        return 0
+    keep = [r for r in rows if int(r.get("step", 0)) < step]
+    with open(path.with_name(f"{path.stem}.rolled_back.jsonl"), "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in stale)
+    _rewrite(path, keep)
+    log.info("%s: %d rows of steps %d-%d written before the resume moved to %s.rolled_back.jsonl (trained again)",
+             path.name, len(stale), step, max(int(r.get("step", 0)) for r in stale), path.stem)
+    return len(stale)
+
+
+def _rewrite(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
 
 
 class WandbBackend:
