@@ -60,6 +60,7 @@ class GroupOutbox:
         self.num_resent = 0
         self.num_reconnects = 0
         self.num_given_up = 0
+        self.last_group, self.last_group_at = "", None  # the newest group handed over (wall clock)
 
     def __len__(self) -> int:
         return len(self.held)
@@ -136,6 +137,7 @@ class GroupOutbox:
         """Hands a finished group over; its prompt is acked once the buffer has ingested it."""
         now = time.monotonic()
         self.held[group_id] = _Held(entry_id, frame, now, now)
+        self.last_group, self.last_group_at = group_id, time.time()
         self._queue.put_nowait(group_id)
 
     async def check(self) -> int:
