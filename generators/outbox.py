@@ -193,8 +193,15 @@ class GroupOutbox:
             h.renewed_at = now
 
     async def run(self) -> None:
+        """Checks every poll_s until cancelled. The redis-py 8 asyncio client can swallow a cancel that
+        lands inside a command (the call returns, the task goes on with `cancelling()` set): measured,
+        up to a third of cancels in the first seconds of a client, and the loop then ran on for good,
+        so a generator's way out waited its helpers' bound for it. Hence the check after every round."""
+        task = asyncio.current_task()
         while True:
             await self.check()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             await asyncio.sleep(self.poll_s)
 
     async def drain(self, timeout_s: float) -> bool:
