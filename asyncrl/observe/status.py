@@ -82,12 +82,10 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
     own = [reported(f"generator:{g['id']}", g.pop("_stall"), now) for g in gens]
     own += [reported("learner", lh, now), reported("buffer", bm, now)]
     stalls += [r for r in own if r is not None]
-    snap_members = _members(client, keys, cfg, now)
-    return {"run": keys.run, "time": now, "num_generators": len(gens), "generators": gens,
-            "members": snap_members, "learner": learner,
-            "buffer": buffer, "lag": {"batches": len(batches), "hist": dict(sorted(hist.items(), key=lambda kv:
-                                                                                  int(kv[0])))},
-            "events": events, "stalls": stalls, "stopped": bool(client.exists(keys.stop)),
+    lag = {"batches": len(batches), "hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0])))}
+    return {"run": keys.run, "time": now, "num_generators": len(gens), "generators": gens, "learner": learner,
+            "members": _members(client, keys, cfg, now), "buffer": buffer, "lag": lag, "events": events,
+            "stalls": stalls, "stopped": bool(client.exists(keys.stop)),
             "startup": timeline.parse(client.hgetall(keys.timeline))}
 
 
