@@ -13,7 +13,7 @@ from asyncrl.config import Config
 from asyncrl.observe.selfwatch import SelfWatch
 from asyncrl.protocol.fleet import read_fleet
 from asyncrl.protocol.keys import Keys
-from asyncrl.protocol.store import LEARNER_GROUP, group_lag, oldest_unacked_ms, trim_trained
+from asyncrl.protocol.store import LEARNER_GROUP, PROMPT_GROUP, group_lag, oldest_unacked_ms, trim_trained
 
 log = logging.getLogger("buffers.service")  # the buffer's records keep the one name they have always had
 
@@ -85,11 +85,9 @@ class Gauges:
         depth = self.depth()
         oldest_ms = oldest_unacked_ms(client, keys.trajectories, LEARNER_GROUP)
         server_s, server_us = client.time()
-        retain_s = self.cfg.buffer.retain_trained_s
-        if retain_s > 0 and now - self._trimmed_at > TRIM_EVERY_S:
+        if self.cfg.buffer.retain_trained_s > 0 and now - self._trimmed_at > TRIM_EVERY_S:
             self._trimmed_at = now
-            cutoff_ms = int((server_s + server_us / 1e6 - retain_s) * 1000)
-            counters.count("trimmed", trim_trained(client, keys.trajectories, LEARNER_GROUP, cutoff_ms))
+            self.trim(server_s + server_us / 1e6)
         oldest_age = 0.0 if oldest_ms is None else max(server_s + server_us / 1e6 - oldest_ms / 1000, 0.0)
         fields = {**counters, "depth": depth, "capacity": self.cfg.buffer.capacity, "full": int(self.full),
                   "groups_per_s": (groups - groups0) / dt, "bytes_per_s": (nbytes - bytes0) / dt,
@@ -98,6 +96,14 @@ class Gauges:
         client.hset(keys.metrics, mapping={f"buffer:{k}": v for k, v in {**fields, **self.watch.fields()}.items()})
         if self.exporter is not None:
             self.exporter.update(fields)
+
+    def trim(self, server_now_s: float) -> None:
+        """Trained groups, and prompts whose lease is over (stored, reclaimed, handed back), older than
+        buffer.retain_trained_s leave their streams; undelivered and pending entries stay. Without the
+        prompts' trim every prompt ever released stayed in Redis (a few hundred bytes each)."""
+        cutoff_ms = int((server_now_s - self.cfg.buffer.retain_trained_s) * 1000)
+        self.counters.count("trimmed", trim_trained(self.client, self.keys.trajectories, LEARNER_GROUP, cutoff_ms))
+        self.counters.count("prompts_trimmed", trim_trained(self.client, self.keys.prompts, PROMPT_GROUP, cutoff_ms))
 
     def watch_progress(self, wait_reason: Callable[[], str]) -> None:
         """Progress is a group stored (or a re-sent one deduped); the clock starts once a generator

@@ -12,7 +12,7 @@ import zmq
 from asyncrl.config import Config
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys
-from asyncrl.protocol.store import dedupe_append
+from asyncrl.protocol.store import dedupe_append, seen_ttl_s
 from asyncrl.tasks.synthetic import PromptRecord
 from buffers.gauges import Counters
 from buffers.refusals import Refusals
@@ -36,6 +36,7 @@ class Ingest:
             self._rows_of.setdefault(row.prompt_id, []).append(i)
         self._positions: dict[int, list[int]] = {}  # epoch -> position of each row in that epoch's order
         self._cursor = (0, 0)  # (epoch, index) of the next release, as last read
+        self._seen_ttl_s = seen_ttl_s(cfg.buffer.lease_timeout_s, cfg.buffer.redis_retry_s)
 
     def pull(self, max_frames: int = 256, timeout_ms: int = 50) -> int:
         """Pulls what is waiting (up to `max_frames`), validates, dedupes and appends; returns groups added.
@@ -75,16 +76,19 @@ class Ingest:
             except schema.FrameError as e:
                 self.refusals.reject(e, len(buf))
                 continue
-            valid.append(group.group_id)
-            dedupe_append(pipe, self.keys, group.group_id, buf)
+            valid.append((group.group_id, len(buf)))
+            dedupe_append(pipe, self.keys, group.group_id, buf, group.lease_id, self._seen_ttl_s)
         added = 0
         if valid:
-            for gid, ok in zip(valid, pipe.execute(), strict=True):
-                if ok:
+            for (gid, nbytes), ok in zip(valid, pipe.execute(), strict=True):
+                if ok == 1:
                     added += 1
-                else:
+                elif ok == 0:
                     self.counters.count("dedupes")
                     log.info("duplicate group %s dropped", gid)
+                else:  # its prompt was stored from another copy, or reclaimed and re-released since
+                    self.refusals.reject(schema.FrameError("lease_gone", f"group {gid!r}: its prompt's lease "
+                                                           "no longer exists (stored, or reclaimed)"), nbytes)
         return added
 
     def check_run(self, group: schema.TrajectoryGroup) -> None:

@@ -10,7 +10,7 @@ import time
 
 from asyncrl.config import Config
 from asyncrl.modes import admission_staleness
-from asyncrl.protocol import schema, store
+from asyncrl.protocol import members, schema, store
 from asyncrl.protocol.fleet import admitted, read_fleet
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, log_event
 from asyncrl.protocol.notify import publish
@@ -105,6 +105,9 @@ class PromptFeed:
     def reclaim(self) -> int:
         """Re-releases prompts whose lease expired (their generator died); same group_id, so dedupe holds."""
         min_idle_ms = int(self.cfg.buffer.lease_timeout_s * 1000)
+        # Members gone past their leases are forgotten here, so status lists each dead one until then.
+        if forgotten := members.prune(self.client, self.keys, self.cfg.buffer.lease_timeout_s):
+            log.info("forgot generators %s: heartbeat gone and no lease held", ", ".join(forgotten))
         claimed = self.client.xautoclaim(self.keys.prompts, PROMPT_GROUP, RECLAIMER, min_idle_ms,
                                          start_id="0-0", count=100, justid=True)
         if not claimed:

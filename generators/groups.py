@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
+
 from asyncrl.protocol import schema
 from asyncrl.tasks.data import encode_prompt
 from generators.episodes import episode_start, run_episode
@@ -51,6 +53,8 @@ class GroupSampler:
         # The outbox sends it and acks the prompt once the buffer has ingested the group: a crash
         # (ours or the buffer's) before that leaves the prompt to be re-sent or re-leased.
         gen = self.gen
+        # The lease travels with the group: the buffer stores it only while that lease is pending.
+        group = msgspec.structs.replace(group, lease_id=entry_id.decode())
         gen.outbox.put(task.group_id, entry_id, schema.encode(group))
         gen.tokens += group.num_tokens()
         gen.groups += 1

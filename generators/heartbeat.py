@@ -11,7 +11,7 @@ import time
 
 from asyncrl.observe.metrics import FleetTokenRate
 from asyncrl.observe.selfwatch import SelfWatch
-from asyncrl.protocol import fleet, schema, security
+from asyncrl.protocol import fleet, members, schema, security
 from asyncrl.protocol.sampling import heartbeat_fields
 
 
@@ -49,6 +49,10 @@ class Heartbeat:
         async with gen.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, int(gen.cfg.generator.heartbeat_ttl_s))
+            # Kept past the key's expiry (asyncrl/protocol/members.py): status names a frozen or dead member.
+            outbox = getattr(gen, "outbox", None)
+            pipe.hset(gen.keys.members, gen.id, members.summary(
+                fields, getattr(outbox, "last_group", ""), getattr(outbox, "last_group_at", None)))
             await pipe.execute()
         if (exporter := getattr(gen, "exporter", None)) is not None:  # started in Generator.start()
             exporter.update(fields)

@@ -185,5 +185,6 @@ class WayOut:
         gen = self.gen
         async with gen.redis.pipeline(transaction=False) as pipe:
             pipe.delete(gen.keys.gen(gen.id))
+            pipe.hdel(gen.keys.members, gen.id)  # a clean leave: status forgets it (asyncrl/protocol/members.py)
             pipe.xadd(gen.keys.events, {"kind": "generator_leave", "id": gen.id, "t": f"{time.time():.3f}"})
             await pipe.execute()

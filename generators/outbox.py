@@ -2,8 +2,9 @@
 
 Why: a group handed to ZeroMQ is not yet safe. If the buffer dies (kill -9) the frames queued in
 its socket die with it, and a generator that had already acked the prompt would have lost that
-group for good. So the prompt is acked only once the group's dedupe key `seen:{group_id}` exists,
-i.e. once the group is in Redis. Until then the frame is kept here; when the buffer comes back
+group for good. So the prompt's lease travels in the frame and the buffer acks it in the step that
+stores the group (asyncrl/protocol/store.py); the frame is forgotten here once the group's dedupe key
+`seen:{group_id}` exists, or once its lease is gone. Until then the frame is kept here; when the buffer comes back
 (new `buffer_instance`, or a new `ingest_addr` when buffer.ingest_port=0) the PUSH socket is
 rebuilt and every unconfirmed frame is sent again — dedupe makes a re-send of an ingested group a
 no-op. While a frame waits (buffer full: backpressure) its prompt lease is renewed, so the buffer
@@ -60,6 +61,8 @@ class GroupOutbox:
         self.num_resent = 0
         self.num_reconnects = 0
         self.num_given_up = 0
+        self.num_lease_gone = 0  # held groups whose lease was gone at renewal (stored, or reclaimed)
+        self.last_group, self.last_group_at = "", None  # the newest group handed over (wall clock)
 
     def __len__(self) -> int:
         return len(self.held)
@@ -136,6 +139,7 @@ class GroupOutbox:
         """Hands a finished group over; its prompt is acked once the buffer has ingested it."""
         now = time.monotonic()
         self.held[group_id] = _Held(entry_id, frame, now, now)
+        self.last_group, self.last_group_at = group_id, time.time()
         self._queue.put_nowait(group_id)
 
     async def check(self) -> int:
@@ -177,12 +181,27 @@ class GroupOutbox:
                 self.num_given_up += 1
                 continue
             # XCLAIM to ourselves resets the entry's idle time: the lease is renewed.
-            await self.redis.xclaim(self.keys.prompts, PROMPT_GROUP, self.consumer, 0, [h.entry_id], justid=True)
+            if not await self.redis.xclaim(self.keys.prompts, PROMPT_GROUP, self.consumer, 0, [h.entry_id],
+                                           justid=True):
+                # No lease left to renew: the buffer stored the group (and acked the lease; its `seen:` key
+                # may have expired while we were frozen) or reclaimed the prompt for someone else. Either
+                # way the buffer would refuse this copy now: nothing is lost by letting it go.
+                log.info("group %s: its prompt's lease is gone (stored, or reclaimed): dropped from the outbox", gid)
+                del self.held[gid]
+                self.num_lease_gone += 1
+                continue
             h.renewed_at = now
 
     async def run(self) -> None:
+        """Checks every poll_s until cancelled. The redis-py 8 asyncio client can swallow a cancel that
+        lands inside a command (the call returns, the task goes on with `cancelling()` set): measured,
+        up to a third of cancels in the first seconds of a client, and the loop then ran on for good,
+        so a generator's way out waited its helpers' bound for it. Hence the check after every round."""
+        task = asyncio.current_task()
         while True:
             await self.check()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             await asyncio.sleep(self.poll_s)
 
     async def drain(self, timeout_s: float) -> bool:

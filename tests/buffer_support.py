@@ -117,7 +117,7 @@ class LeasingPusher:
                                                 count=num - len(done), block=500)
             for entry_id, fields in reply[0][1] if reply else []:
                 task = schema.decode(fields[b"data"], schema.PromptTask)
-                frame = schema.encode(make_group(task.group_id, num_tokens=num_tokens))
+                frame = schema.encode(make_group(task.group_id, num_tokens=num_tokens, lease_id=entry_id.decode()))
                 self.outbox.put(task.group_id, entry_id, frame)
                 done.append(task.group_id)
         self.pushed += done

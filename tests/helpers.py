@@ -35,7 +35,8 @@ def gloo_group(rank: int, port: int, q=None, world_size: int = 2):
     os._exit(0)
 
 
-def make_group(group_id="p0@e0", num_samples=4, num_tokens=3, version=0, reward=0.5, generator_id="gt"):
+def make_group(group_id="p0@e0", num_samples=4, num_tokens=3, version=0, reward=0.5, generator_id="gt",
+               lease_id=""):
     samples = [
         schema.Sample(completion_ids=schema.pack_i32([5 + i] * num_tokens),
                       logprobs=schema.pack_f32([-0.5] * num_tokens),
@@ -46,7 +47,8 @@ def make_group(group_id="p0@e0", num_samples=4, num_tokens=3, version=0, reward=
     return schema.TrajectoryGroup(schema_version=schema.SCHEMA_VERSION, group_id=group_id,
                                   prompt_id=group_id.split("@")[0], generator_id=generator_id,
                                   prompt_ids=schema.pack_i32([13, 14, 83]), samples=samples,
-                                  sampling=schema.SamplingInfo(1.0, 1.0, -1), created_at=time.time())
+                                  sampling=schema.SamplingInfo(1.0, 1.0, -1), created_at=time.time(),
+                                  lease_id=lease_id)
 
 
 class Procs:

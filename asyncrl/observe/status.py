@@ -82,11 +82,37 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
     own = [reported(f"generator:{g['id']}", g.pop("_stall"), now) for g in gens]
     own += [reported("learner", lh, now), reported("buffer", bm, now)]
     stalls += [r for r in own if r is not None]
+    lag = {"batches": len(batches), "hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0])))}
     return {"run": keys.run, "time": now, "num_generators": len(gens), "generators": gens, "learner": learner,
-            "buffer": buffer, "lag": {"batches": len(batches), "hist": dict(sorted(hist.items(), key=lambda kv:
-                                                                                  int(kv[0])))},
-            "events": events, "stalls": stalls, "stopped": bool(client.exists(keys.stop)),
+            "members": _members(client, keys, cfg, now), "buffer": buffer, "lag": lag, "events": events,
+            "stalls": stalls, "stopped": bool(client.exists(keys.stop)),
             "startup": timeline.parse(client.hgetall(keys.timeline))}
+
+
+def _members(client, keys: Keys, cfg: Config, now: float) -> list[dict]:
+    """Every generator the run has seen (asyncrl/protocol/members.py), live, stalled or gone, with what
+    the OS says of its process when it runs on this host (stopped by SIGSTOP, no longer there)."""
+    from asyncrl.observe.watchdog import process_state
+    from asyncrl.protocol.members import read_members
+
+    out = read_members(client, keys, cfg.generator.heartbeat_s, cfg.generator.heartbeat_ttl_s, now)
+    for m in out:
+        m["process"] = process_state(m).removeprefix("; ") or None
+    return out
+
+
+def _members_table(snap: dict):
+    from rich.table import Table
+
+    table = Table(title="members (every generator seen: live, stalled, gone)", expand=True)
+    for col in ("id", "state", "last heartbeat", "last group", "leases", "process"):
+        table.add_column(col)
+    for m in snap.get("members", []):
+        age = "-" if m["heartbeat_age_s"] is None else f"{m['heartbeat_age_s']:.1f}s ago"
+        style = {"stalled": "yellow", "gone": "red"}.get(m["state"], "")
+        table.add_row(m["id"], m["state"], age, m["last_group"] or "-", str(m["leases"]), m["process"] or "-",
+                      style=style)
+    return table
 
 
 def render(snap: dict):
@@ -132,7 +158,7 @@ def render(snap: dict):
         details = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("id", "kind", "t"))
         t = time.strftime("%H:%M:%S", time.localtime(e["t"])) if e["t"] else "-"
         ev.add_row(t, e["kind"], details[:100], style="bold red" if e["kind"] in ("stall", "sync_failed") else "")
-    parts = [gen, roles, lag, ev]
+    parts = [gen, _members_table(snap), roles, lag, ev]
     if snap.get("startup"):
         parts.append(Panel(timeline.describe(snap["startup"]), title="start-up"))
     if snap["stalls"]:

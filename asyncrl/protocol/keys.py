@@ -47,6 +47,12 @@ class Keys:
         return self._k("notify")
 
     @property
+    def members(self) -> str:
+        """Hash: generator id -> JSON of its last heartbeat's summary, kept after the heartbeat key expires
+        so that status can name a frozen or dead member (asyncrl/protocol/members.py)."""
+        return self._k("members")
+
+    @property
     def gen_pattern(self) -> str:
         return self._k("gen:*")
 

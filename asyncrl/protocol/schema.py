@@ -8,6 +8,7 @@ never pickle. Token ids, log-probs and versions travel as little-endian packed a
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import msgspec
@@ -110,6 +111,11 @@ class TrajectoryGroup(msgspec.Struct, tag="trajectory_group"):
     # samples: the baseline of advantage estimators with `greedy_baseline` (remax); None otherwise.
     # Optional with a default, so frames without it decode as before (no schema version change).
     baseline_reward: float | None = None
+    # The prompt's entry id in the prompts stream (its lease, `{ms}-{seq}`). The buffer acks it in the
+    # same script that stores the group, and refuses a group whose lease is gone (acked by an earlier
+    # copy, or reclaimed and re-released): exactly-once without keeping dedupe keys for ever
+    # (asyncrl/protocol/store.py). "" (older writers): dedupe by group id alone. Optional, as above.
+    lease_id: str = ""
 
     def min_version(self) -> int:
         return min(int(unpack_i32(s.versions).min()) for s in self.samples if s.num_tokens)
@@ -379,6 +385,9 @@ def split_group_id(group_id: str) -> tuple[str, int] | None:
     return prompt_id, int(epoch)
 
 
+_LEASE_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+
+
 def validate_for_run(group: TrajectoryGroup, limits: RunLimits) -> None:
     """Checks a well-formed group against the run (buffer at ingest, learner before training); raises
     FrameError. Why each: a token id past the vocabulary is an IndexError in the learner's gather;
@@ -393,6 +402,8 @@ def validate_for_run(group: TrajectoryGroup, limits: RunLimits) -> None:
         raise FrameError("sampling_mismatch", f"sampled with temperature={s.temperature} top_p={s.top_p} "
                          f"top_k={s.top_k}, the run with temperature={want.temperature} top_p={want.top_p} "
                          f"top_k={want.top_k}")
+    if group.lease_id and _LEASE_ID.fullmatch(group.lease_id) is None:
+        raise FrameError("bad_lease_id", f"lease_id {group.lease_id[:40]!r} is not a stream entry id")
     if limits.needs_baseline and group.baseline_reward is None:
         raise FrameError("no_baseline", "algorithm.advantage needs the group's greedy baseline_reward; it has none")
     prompt = unpack_i32(group.prompt_ids)

@@ -7,16 +7,31 @@ import redis
 from asyncrl.protocol.keys import LEARNER_GROUP, PROMPT_GROUP, Keys
 
 # Dedupe and append in one atomic step, so a crash between the two can neither lose a group
-# (marked seen, never appended) nor let a late duplicate in.
+# (marked seen, never appended) nor let a late duplicate in. A group that names its prompt's lease
+# (ARGV[4]) is stored only if that lease is still pending, and the same step acks it: every prompt
+# entry is acked once, either here (its group stored) or by the reclaimer (re-released as a new entry),
+# so no copy of a stored group can be stored again, however late it comes. The `seen:` key then
+# only tells the generator that its group is in (generators/outbox.py) and can expire (seen_ttl_s).
+# Replies: 1 stored, 0 duplicate (seen), -1 lease gone (refused).
 DEDUPE_APPEND = """
-if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
-  redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
-  return 1
-end
-return 0
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if ARGV[4] ~= '' and redis.call('XACK', KEYS[3], ARGV[3], ARGV[4]) == 0 then return -1 end
+redis.call('SET', KEYS[1], '1', 'EX', ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
+return 1
 """
 
+# The dedupe window of a group that carries no lease (older writers): exactly-once for them rests on
+# the `seen:` key alone, so it is kept long.
 SEEN_TTL_S = 7 * 24 * 3600
+
+
+def seen_ttl_s(lease_timeout_s: float, redis_retry_s: float) -> int:
+    """How long a leased group's `seen:` key lives: while its generator may still be waiting to see it.
+    A live generator looks every 0.1 s; one cut off from Redis retries for up to buffer.redis_retry_s;
+    one that holds a group renews its lease every lease_timeout_s / 3 and, when the lease is gone
+    (stored, or reclaimed), drops the group anyway. Exactly-once does not depend on it (the lease does)."""
+    return int(lease_timeout_s + redis_retry_s) + 1
 
 # Every write below may run twice: a retried command (asyncrl/protocol/retry.py) can already have executed
 # before its connection broke. So each is idempotent, and each is one script, so a crash (or a
@@ -153,13 +168,16 @@ def group_pending(client: redis.Redis, stream: str, group: str) -> int:
     return int(client.xpending(stream, group)["pending"])
 
 
-def dedupe_append(pipe, keys: Keys, group_id: str, frame: bytes) -> None:
-    """Queues the atomic dedupe + XADD of one frame on `pipe` (reply: 1 added, 0 duplicate).
+def dedupe_append(pipe, keys: Keys, group_id: str, frame: bytes, lease_id: str = "",
+                  ttl_s: int = SEEN_TTL_S) -> None:
+    """Queues the atomic dedupe + XADD of one frame on `pipe` (reply: 1 added, 0 duplicate, -1 its
+    lease `lease_id` is gone). A leaseless frame (`lease_id` "") keeps SEEN_TTL_S whatever `ttl_s`.
 
     Plain EVAL, not EVALSHA: a restarted redis-server has an empty script cache, and a retried
-    pipeline would hit NOSCRIPT; the script text is ~150 bytes next to frames of kilobytes.
+    pipeline would hit NOSCRIPT; the script text is ~300 bytes next to frames of kilobytes.
     """
-    pipe.eval(DEDUPE_APPEND, 2, keys.seen(group_id), keys.trajectories, frame, SEEN_TTL_S)
+    pipe.eval(DEDUPE_APPEND, 3, keys.seen(group_id), keys.trajectories, keys.prompts, frame,
+              ttl_s if lease_id else SEEN_TTL_S, PROMPT_GROUP, lease_id)
 
 
 def release_prompts(client: redis.Redis, keys: Keys, expected_released: int, epoch: int, index: int,
