@@ -17,7 +17,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the checkout's configs
 # The shipped configs are package data (pyproject's package-data; in the checkout asyncrl/configs is a

@@ -10,15 +10,16 @@ in flight. The rules, each with its reason logged when it moves the bound:
 - up: over the steps since the last move (`patience`, and at least two waves of bound + 1 steps:
   that many steps' prompts are out at once, so batches arrive in waves) the learner waited for
   data more than `wait_high` of its time. Each rise is judged on as many steps after it: if the learner's wait
-  a step did not fall by `min_gain` of what it was, the bound stays and becomes a ceiling (more in
-  flight does not help: the engines are full, and only more generators would; see `FleetAdvisor`);
+  a step did not fall by `min_gain` of what it was, the rise is taken back and its value is not
+  tried again while the fleet keeps its size (more in flight did not help: the engines are full,
+  and only more generators would; see `FleetAdvisor`);
 - down: the off-policy guard, ESS below `ess_floor` or the capped share above `capped_max` for
   `patience` steps; the bound it leaves is a ceiling.
 
 Damping: after a move the controller rests two waves of bound + 1 steps (the groups the move
 released or held back take that long to reach the learner and the waves to settle) and then averages a fresh window of steps, ceilings last
 `relax_steps` steps, and nothing lowers the bound for throughput: without the guard the bound only
-rises, so it never oscillates. The learner's staleness filter keeps the highest bound of the
+rises, and a rise that did not pay is taken back once per fleet size. The learner's staleness filter keeps the highest bound of the
 last max + 1 steps (`filter_bound`): groups released under a bound are never dropped because the
 guard lowered it after their release.
 """
@@ -82,7 +83,8 @@ class StalenessController:
         self.wait_before: float | None = None  # mean wait per step before the last rise, to judge it by
         self.history: deque[int] = deque([lo], maxlen=hi + 1)
         self.changes: list[Change] = []
-        self.notes: list[Change] = []  # holds: a rise that did not pay, kept as the ceiling
+        self.num_generators = -1
+        self.ceiling_relaxes = True  # a guard's ceiling relaxes; one from a rise that did not pay lasts the fleet
 
     @classmethod
     def from_config(cls, auto) -> StalenessController:
@@ -113,7 +115,10 @@ class StalenessController:
     def _decide(self, sig: StepSignals) -> Change | None:
         off_policy = self._off_policy_reason(sig)
         self.num_off_policy = self.num_off_policy + 1 if off_policy else 0
-        if self.ceiling < self.hi and self.step - self.ceiling_step >= self.relax_steps:
+        if sig.num_generators != self.num_generators:  # another fleet: what paid before may differ now
+            self.num_generators, self.ceiling, self.ceiling_relaxes = sig.num_generators, self.hi, True
+            self.window.clear()
+        if self.ceiling_relaxes and self.ceiling < self.hi and self.step - self.ceiling_step >= self.relax_steps:
             self.ceiling = self.hi
         if self.rest > 0:  # the wave of groups released (or held back) by the last move is still on its way
             self.rest -= 1
@@ -121,7 +126,7 @@ class StalenessController:
         self.window.append((sig.wait_s, sig.busy_s))
         if self.num_off_policy >= self.patience and self.bound > self.lo:
             change = self._move(self.bound - 1, f"off-policy guard: {off_policy} for {self.num_off_policy} steps")
-            self.ceiling, self.ceiling_step = self.bound, self.step
+            self.ceiling, self.ceiling_step, self.ceiling_relaxes = self.bound, self.step, True
             return change
         # Batches arrive in waves of bound + 1 (that many steps' prompts are out at once): a window of two
         # waves reads the same whatever the phase it starts at.
@@ -134,11 +139,11 @@ class StalenessController:
         share = wait / max(wait + sum(b for _, b in self.window) / len(self.window), 1e-9)
         if self.wait_before is not None:  # the last rise, judged on as many steps as led to it
             before, self.wait_before = self.wait_before, None
-            if wait > before * (1 - self.min_gain):
-                self.ceiling, self.ceiling_step = self.bound, self.step
-                self.notes.append(Change(self.step, self.bound, self.bound, f"held at {self.bound}: the rise did not "
-                                         f"shorten the learner's wait ({before:.2f}s -> {wait:.2f}s a step)"))
-                return None
+            if wait > before * (1 - self.min_gain):  # taken back, and not tried again on this fleet
+                change = self._move(self.bound - 1, f"the rise to {self.bound} did not shorten the learner's wait "
+                                    f"({before:.2f}s -> {wait:.2f}s a step)")
+                self.ceiling, self.ceiling_step, self.ceiling_relaxes = self.bound, self.step, False
+                return change
         if share > self.wait_high and self.bound < self.ceiling:
             self.wait_before = wait
             return self._move(self.bound + 1, f"learner waited {share:.0%} of its steps ({wait:.2f}s a step) "
