@@ -126,6 +126,7 @@ class StalenessController:
         self.window.append((sig.wait_s, sig.busy_s))
         if self.num_off_policy >= self.patience and self.bound > self.lo:
             change = self._move(self.bound - 1, f"off-policy guard: {off_policy} for {self.num_off_policy} steps")
+            self.wait_before = None  # a rise the guard took back is not judged any more
             self.ceiling, self.ceiling_step, self.ceiling_relaxes = self.bound, self.step, True
             return change
         # Batches arrive in waves of bound + 1 (that many steps' prompts are out at once): a window of two

@@ -48,9 +48,8 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
                "updated_age_s": now - _num(lh["updated_at"]) if "updated_at" in lh else None,
                "dropped_groups": int(_num(lh.get("dropped_groups"), 0)),
                "quarantined": int(_num(lh.get("quarantined"), 0)), "metrics_url": exporters.get("learner"),
-               "staleness_bound": lh.get("staleness_bound"),  # in force (algorithm.max_staleness=auto moves it)
                # the last step's breakdown: computing, waiting for a batch, held up by the push
-               **{k: _num(lh.get(k)) for k in ("compute_s", "data_wait_s", "sync_s", "push_wait_s")}}
+               **{k: _num(lh.get(k)) for k in ("compute_s", "data_wait_s", "sync_s", "push_wait_s", "staleness_bound")}}
     bm = {k.split(":", 1)[1]: v for k, v in _dec(client.hgetall(keys.metrics)).items() if k.startswith("buffer:")}
     try:
         depth = group_lag(client, keys.trajectories, "learner")
@@ -110,7 +109,7 @@ def render(snap: dict):
     roles = Table(title="learner / buffer", expand=True, show_header=False)
     roles.add_row("learner", f"step {lr['step']}", f"version {lr['version']}", f"{lr['tokens_per_s']:.1f} tok/s",
                   f"idle {lr['idle_ratio']:.2f}", f"dropped {lr['dropped_groups']}", f"quarantined {lr['quarantined']}", f"updated {age(lr['updated_age_s'])}",
-                  f"staleness bound {lr.get('staleness_bound') or '-'}")
+                  "staleness bound " + (f"{lr['staleness_bound']:.0f}" if lr.get("staleness_bound") is not None else "-"))
     roles.add_row("buffer", f"depth {bf['depth']}", f"oldest {bf['oldest_age_s']:.1f}s",
                   f"{bf['groups_per_s']:.2f} groups/s", f"backlog {bf['prompt_backlog']}",
                   f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")
