@@ -126,3 +126,27 @@ def test_simulator_with_a_fixed_bound_is_unchanged_by_the_controller_fields():
     cfg = SimConfig(num_generators=2, len_sigma=1.0, steps=20, max_staleness=2)
     r = simulate(cfg)
     assert set(r.bounds) == {2} and r.changes == [] and r.lag_max <= 2
+
+
+def test_the_buffer_admits_by_the_bound_the_learner_publishes(redis_server):
+    """Real Redis: the learner's side writes `staleness_bound` into the `learner` hash and sets the
+    reader's filter; the buffer's admission budget follows the published bound under auto only."""
+    from asyncrl.protocol.keys import Keys, connect
+    from buffers.prompts import PromptFeed
+    from learners.autotune import AutoTune
+    from learners.reader import TrajectoryReader
+
+    client, keys = connect(redis_server.url), Keys("auto")
+    cfg = load_config(None, ["algorithm.max_staleness=auto", "algorithm.autotune.min=2", "algorithm.autotune.max=5"])
+    reader = TrajectoryReader(client, keys, cfg)
+    tune = AutoTune(cfg, client, keys, reader)
+    assert client.hget(keys.learner, "staleness_bound") == b"2" and reader.max_staleness == 2
+    feed = PromptFeed(cfg, client, keys, rows=[], counters=None)
+    per_step = cfg.learner.batch_groups
+    assert feed._budget(0, 0, 0, client.hget(keys.learner, "staleness_bound")) == 3 * per_step
+    client.hset(keys.learner, "staleness_bound", 4)  # as after two rises
+    assert feed._budget(0, 0, 0, client.hget(keys.learner, "staleness_bound")) == 5 * per_step
+    fixed = load_config(None, ["algorithm.max_staleness=1"])
+    assert PromptFeed(fixed, client, keys, rows=[], counters=None)._budget(0, 0, 0, b"4") == 2 * per_step
+    row = tune.on_step([], {"step_s": 1.0}, 0.0, 1, 0.0)
+    assert row["staleness_bound"] == 2.0 and row["fleet_advice_generators"] == 1.0
