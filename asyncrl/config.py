@@ -17,7 +17,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the checkout's configs
 # The shipped configs are package data (pyproject's package-data; in the checkout asyncrl/configs is a
@@ -510,6 +518,32 @@ class DroConfig(Section):
     """weight of the (log pi - log mu)^2 leash"""
 
 
+class AutotuneConfig(Section):
+    """algorithm.max_staleness=auto: the learner moves the staleness bound (and with it the buffer's
+    admission budget, the groups in flight) within [min, max] (asyncrl/control.py)."""
+
+    enabled: bool = False
+    """set by algorithm.max_staleness=auto (algorithm.max_staleness then holds `max`)"""
+    min: Annotated[int, NonNegative] = 1
+    """the lowest bound, and where the run starts"""
+    max: Annotated[int, AtLeastOne] = 8
+    wait_high: Annotated[float, Fraction] = 0.1
+    """the bound rises while the learner waits for data more than this share of its step, with no
+    prompt left unleased (the generators would take more)"""
+    patience: Annotated[int, AtLeastOne] = 3
+    """steps a condition must hold before the bound moves; after a move it rests bound + 1 steps"""
+    ess_floor: Annotated[float, Fraction] = 0.8
+    """off-policy guard: a step's ESS (fraction of tokens) below this pulls the bound back"""
+    capped_max: Annotated[float, Fraction] = 0.05
+    """off-policy guard: a share of tokens with pi/mu at the cap above this pulls the bound back"""
+    relax_steps: Annotated[int, AtLeastOne] = 100
+    """steps after a guard pull-back before the bound may rise past it again"""
+    fleet_min: Annotated[int, NonNegative] = 0
+    """fleet_max > 0: generators are added through the elastic path (local and Ray deployments) when
+    generation is the bottleneck, up to fleet_max (and never below fleet_min); 0: advice only"""
+    fleet_max: Annotated[int, NonNegative] = 0
+
+
 class AlgorithmConfig(Section):
     advantage: AdvantageName = "grpo"
     """Every algorithm's value, what it is for and its reference: docs/algorithms.md (from asyncrl/registry.py).
@@ -541,8 +575,11 @@ class AlgorithmConfig(Section):
     overlong_buffer: Annotated[int, NonNegative] = 0
     """DAPO overlong shaping: linear penalty over the last N tokens before max_tokens"""
     overlong_penalty: Annotated[float, NonNegative] = 1.0
-    max_staleness: Annotated[int, NonNegative] = 1
-    """policy versions a trained token may lag behind the learner"""
+    max_staleness: Annotated[int, NonNegative] | Literal["auto"] = 1
+    """policy versions a trained token may lag behind the learner; auto: the learner moves the bound
+    within algorithm.autotune's [min, max] (docs/staleness.md), and this field then holds the max"""
+    autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
+    """max_staleness=auto's limits, its off-policy guard, and fleet advice and action"""
     allow_truncated_sampling: bool = False
     """top_p < 1 / top_k > 0 make behaviour log-probs those of the truncated distribution while the learner's
     are full-softmax: the off-policy losses then see a biased ratio. Allow it only knowingly."""
@@ -584,6 +621,16 @@ class AlgorithmConfig(Section):
     batch's best and worst; max_random: best 0.4, others 0.1), normalised to mean 1 over the step's samples"""
     pf_ppo_pow: Annotated[float, NonNegative] = 2.0
 
+    @model_validator(mode="after")
+    def _auto_staleness(self) -> AlgorithmConfig:
+        """max_staleness=auto turns algorithm.autotune on and holds its max: every reader of the field
+        sees the hard cap; the bound in force is the learner's (asyncrl/control.py). Written around
+        validate_assignment, which would run this again."""
+        if self.max_staleness == "auto":
+            self.autotune.__dict__["enabled"] = True
+            self.__dict__["max_staleness"] = self.autotune.max
+        return self
+
     def config_errors(self) -> list[str]:
         """Cross-field mistakes within the algorithm section, one message each."""
         from asyncrl import registry
@@ -601,6 +648,12 @@ class AlgorithmConfig(Section):
             elif t <= 0:
                 errors.append(f"algorithm.rollout_rs_threshold for {name} must be > 0, got {t}")
         errors += self._lower_bound_errors()
+        if self.autotune.enabled and not self.autotune.min <= self.autotune.max == self.max_staleness:
+            errors.append(f"algorithm.autotune.min ({self.autotune.min}) must be <= algorithm.autotune.max "
+                          f"({self.autotune.max}); set algorithm.max_staleness=auto and the limits there")
+        if self.autotune.fleet_max and self.autotune.fleet_min > self.autotune.fleet_max:
+            errors.append(f"algorithm.autotune.fleet_min ({self.autotune.fleet_min}) must be <= "
+                          f"algorithm.autotune.fleet_max ({self.autotune.fleet_max})")
         correction = registry.POLICY_LOSSES.static_meta(self.loss).get("correction")
         if self.max_staleness > 0 and correction not in registry.CORRECTIONS:
             errors.append(f"algorithm.loss={self.loss} does not correct for stale samples (no behaviour "

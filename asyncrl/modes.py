@@ -23,9 +23,14 @@ log = logging.getLogger(__name__)
 _said_ignored = False
 
 
-def admission_staleness(cfg: Config) -> int:
-    """The staleness bound the buffer's admission rule uses: 0 in sync mode, else algorithm.max_staleness."""
+def admission_staleness(cfg: Config, live: bytes | str | int | None = None) -> int:
+    """The staleness bound the buffer's admission rule uses: 0 in sync mode, else algorithm.max_staleness,
+    or under max_staleness=auto `live`, the learner's bound in force (the `learner` hash's
+    `staleness_bound`), kept within algorithm.autotune's limits (its min before the learner wrote one)."""
     global _said_ignored
+    auto = cfg.algorithm.autotune
+    if cfg.run.mode != "sync" and auto.enabled:
+        return min(max(int(live), auto.min), auto.max) if live is not None else auto.min
     if cfg.run.mode != "sync":
         return cfg.algorithm.max_staleness
     if cfg.algorithm.max_staleness != 0 and not _said_ignored:

@@ -59,9 +59,9 @@ class PromptFeed:
         """Releases prompts up to the admission budget and the backlog cap; returns how many."""
         cfg, client, keys = self.cfg, self.client, self.keys
         version = int(client.get(keys.version) or 0)
-        dropped = int(client.hget(keys.learner, "dropped_groups") or 0)
+        dropped, bound = client.hmget(keys.learner, "dropped_groups", "staleness_bound")
         cursor = {k.decode(): int(v) for k, v in client.hgetall(keys.cursor).items()}
-        budget = self._budget(version, dropped, cursor["released"])
+        budget = self._budget(version, int(dropped or 0), cursor["released"], bound)
         backlog = group_lag(client, keys.prompts, PROMPT_GROUP)
         num = min(budget - cursor["released"], cfg.buffer.prompt_backlog - backlog)
         self.backlog_bound = cfg.buffer.prompt_backlog - backlog < budget - cursor["released"]
@@ -88,12 +88,12 @@ class PromptFeed:
         publish(client, keys, "prompts")  # sync-mode generators read the prompt stream without blocking
         return num
 
-    def _budget(self, version: int, dropped: int, released: int) -> int:
-        """The admission budget at learner `version` with `dropped` groups dropped by the learner and
-        `released` prompts released so far."""
+    def _budget(self, version: int, dropped: int, released: int, bound: bytes | None = None) -> int:
+        """The admission budget at learner `version` with `dropped` groups dropped by the learner,
+        `released` prompts released so far and the learner's `bound` in force (max_staleness=auto)."""
         cfg = self.cfg
         # run.mode=sync: staleness 0, exactly learner.batch_groups prompts per version (asyncrl/modes.py).
-        staleness, per_step = admission_staleness(cfg), cfg.learner.batch_groups
+        staleness, per_step = admission_staleness(cfg, bound), cfg.learner.batch_groups
         budget = admission_budget(version, staleness, per_step, dropped)
         # The fleet can only lower the budget: read it only when the learner's would release some.
         # (sync: generators start a group only on the learner's version.)
@@ -123,9 +123,10 @@ class PromptFeed:
         the generators (asyncrl/observe/selfwatch.py reports it)."""
         client, keys = self.client, self.keys
         version = int(client.get(keys.version) or 0)
-        dropped = int(client.hget(keys.learner, "dropped_groups") or 0)
+        dropped, bound = client.hmget(keys.learner, "dropped_groups", "staleness_bound")
         released = int(client.hget(keys.cursor, "released") or 0)
-        budget = admission_budget(version, admission_staleness(self.cfg), self.cfg.learner.batch_groups, dropped)
+        budget = admission_budget(version, admission_staleness(self.cfg, bound), self.cfg.learner.batch_groups,
+                                  int(dropped or 0))
         backlog = group_lag(client, keys.prompts, PROMPT_GROUP)
         leased = int(client.xpending(keys.prompts, PROMPT_GROUP)["pending"])
         fleet = read_fleet(client, keys)

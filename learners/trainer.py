@@ -27,6 +27,7 @@ from asyncrl.observe.selfwatch import SelfWatch
 from asyncrl.protocol import identity, schema
 from asyncrl.protocol.keys import log_event
 from asyncrl.protocol.store import set_and_notify
+from learners.autotune import AutoTune
 from learners.checkpoint import export_hf
 from learners.feed import Feed, ack_checkpointed, open_run
 from learners.fleet import Fleet
@@ -106,6 +107,7 @@ class Learner:
         if self.resumed_from is not None:
             ack_checkpointed(client, keys, self.resumed_from)  # before the recovery path could re-train them
         self.feed = Feed(cfg, client, keys, self.fleet, int(self.parts.model.config.vocab_size), self.version)
+        self.autotune = AutoTune(cfg, client, keys, self.feed.reader)  # algorithm.max_staleness=auto, fleet advice
         return pusher
 
     def decide(self) -> tuple[int, bytes, list]:
@@ -200,6 +202,7 @@ class Learner:
         holding its push (or a bounded wait is over)."""
         if self.step >= self.cfg.run.max_steps:
             fleet = self.pusher.verify_last_push(fleet, self.version)
+        stats.update(self.autotune.on_step(groups, stats, sync_s, len(fleet), self.feed.data_wait_s))
         self.metrics.after_step(self.step, self.version, groups, stats, sync_s, fleet, self.feed, self.pusher)
 
     def _ack(self) -> None:

@@ -115,7 +115,7 @@ def _lag_figure(plt, rows: list[dict], x: str, xlabel: str):
         a1.bar(list(hist), list(hist.values()))
         a1.set_xticks(sorted(hist))
     a1.set(xlabel="version lag", ylabel="tokens", title="version lag of trained tokens")
-    for key, style in (("lag_mean", "-"), ("lag_max", "--")):
+    for key, style in (("lag_mean", "-"), ("lag_max", "--"), ("staleness_bound", ":")):
         steps, vals = _series(rows, key, x)
         a2.plot(steps, vals, style, label=key)
     a2.set(xlabel=xlabel, ylabel="versions", title="version lag over time")

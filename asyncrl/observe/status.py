@@ -43,13 +43,7 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
                      "metrics_url": exporters.get(f"generator:{gid}"),
                      "_stall": {"stall": hb.stall, "stall_what": hb.stall_what, "stall_since": str(hb.stall_since)}})
     lh = _dec(client.hgetall(keys.learner))
-    learner = {"step": int(_num(lh.get("step"), 0)), "version": int(_num(client.get(keys.version), 0)),
-               "tokens_per_s": _num(lh.get("tokens_per_s"), 0.0), "idle_ratio": _num(lh.get("idle_ratio"), 0.0),
-               "updated_age_s": now - _num(lh["updated_at"]) if "updated_at" in lh else None,
-               "dropped_groups": int(_num(lh.get("dropped_groups"), 0)),
-               "quarantined": int(_num(lh.get("quarantined"), 0)), "metrics_url": exporters.get("learner"),
-               # the last step's breakdown: computing, waiting for a batch, held up by the push
-               **{k: _num(lh.get(k)) for k in ("compute_s", "data_wait_s", "sync_s", "push_wait_s", "mfu")}}
+    learner = _learner(client, keys, lh, exporters, now)
     bm = {k.split(":", 1)[1]: v for k, v in _dec(client.hgetall(keys.metrics)).items() if k.startswith("buffer:")}
     try:
         depth = group_lag(client, keys.trajectories, "learner")
@@ -87,6 +81,18 @@ def snapshot(client, keys: Keys, cfg: Config, watchdog=None, last_n: int = 20, n
             "members": _members(client, keys, cfg, now), "buffer": buffer, "lag": lag, "events": events,
             "stalls": stalls, "stopped": bool(client.exists(keys.stop)),
             "startup": timeline.parse(client.hgetall(keys.timeline))}
+
+
+def _learner(client, keys: Keys, lh: dict, exporters: dict, now: float) -> dict:
+    """The learner's row: its step and version, speed, drops, and the last step's breakdown."""
+    return {"step": int(_num(lh.get("step"), 0)), "version": int(_num(client.get(keys.version), 0)),
+            "tokens_per_s": _num(lh.get("tokens_per_s"), 0.0), "idle_ratio": _num(lh.get("idle_ratio"), 0.0),
+            "updated_age_s": now - _num(lh["updated_at"]) if "updated_at" in lh else None,
+            "dropped_groups": int(_num(lh.get("dropped_groups"), 0)),
+            "quarantined": int(_num(lh.get("quarantined"), 0)), "metrics_url": exporters.get("learner"),
+            # the last step's breakdown: computing, waiting for a batch, held up by the push
+            **{k: _num(lh.get(k)) for k in ("compute_s", "data_wait_s", "sync_s", "push_wait_s", "mfu",
+                                            "staleness_bound")}}
 
 
 def _members(client, keys: Keys, cfg: Config, now: float) -> list[dict]:
@@ -134,7 +140,8 @@ def render(snap: dict):
     lr, bf = snap["learner"], snap["buffer"]
     roles = Table(title="learner / buffer", expand=True, show_header=False)
     roles.add_row("learner", f"step {lr['step']}", f"version {lr['version']}", f"{lr['tokens_per_s']:.1f} tok/s",
-                  f"idle {lr['idle_ratio']:.2f}", f"dropped {lr['dropped_groups']}", f"quarantined {lr['quarantined']}", f"updated {age(lr['updated_age_s'])}")
+                  f"idle {lr['idle_ratio']:.2f}", f"dropped {lr['dropped_groups']}", f"quarantined {lr['quarantined']}", f"updated {age(lr['updated_age_s'])}",
+                  "staleness bound " + (f"{lr['staleness_bound']:.0f}" if lr.get("staleness_bound") is not None else "-"))
     roles.add_row("buffer", f"depth {bf['depth']}", f"oldest {bf['oldest_age_s']:.1f}s",
                   f"{bf['groups_per_s']:.2f} groups/s", f"backlog {bf['prompt_backlog']}",
                   f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")

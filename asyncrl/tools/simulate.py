@@ -20,6 +20,13 @@ weights, as `run.mode=sync`), `one_step_off` (staleness 1; batch k+1 is generate
 successor while batch k trains, and weights move only at a barrier after both finish: lag exactly
 1), `async` (staleness `max_staleness`; weights change under in-flight sequences at every sync, as
 `run.mode=async` with `weights.mode=keep`).
+
+`autotune=1` (async only): the staleness bound is moved each step by asyncrl/control.py's
+`StalenessController`, the code the learner runs under `algorithm.max_staleness: auto`, fed the same
+signals (the learner's wait and busy time since the last step, the released prompts no engine has
+leased, the batch's ESS), within [auto_min, auto_max]; admission follows its bound and the staleness
+filter its `filter_bound`. The simulator has no policy: `ess_drift` > 0 gives each batch a synthetic
+ESS of exp(-ess_drift * lag mean) to exercise the off-policy guard; 0 gives none.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from asyncrl.control import FleetAdvisor, StalenessController, StepSignals
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -58,6 +67,10 @@ class SimConfig:
     overlap_slowdown: float = 1.0
     steps: int = 30
     seed: int = 0
+    autotune: int = 0  # 1: the bound moves in closed loop (asyncrl/control.py) within [auto_min, auto_max]
+    auto_min: int = 1
+    auto_max: int = 8
+    ess_drift: float = 0.0  # > 0: synthetic batch ESS exp(-ess_drift * lag mean) for the off-policy guard
 
 
 @dataclass
@@ -74,6 +87,11 @@ class SimResult:
     generator_idle_ratio: float  # over the window, mean over generators
     dropped_stale: int
     step_times: list[float] = field(repr=False, default_factory=list)
+    step_tokens: list[int] = field(repr=False, default_factory=list)
+    bounds: list[int] = field(repr=False, default_factory=list)  # the bound in force after each step
+    changes: list[dict] = field(default_factory=list)  # autotune: each move of the bound, with its reason
+    direction_changes: int = 0
+    fleet_advice: list[int] = field(repr=False, default_factory=list)  # generators advised after each step
 
 
 class _Gen:
@@ -98,6 +116,17 @@ class Simulator:
         self.c = cfg
         self.rng = random.Random(cfg.seed)
         self.staleness = {"sync": 0, "one_step_off": 1, "async": cfg.max_staleness}[cfg.mode]
+        self.controller = None
+        if cfg.autotune:
+            assert cfg.mode == "async", "autotune moves the async bound"
+            self.controller = StalenessController(cfg.auto_min, cfg.auto_max)
+            self.staleness = self.controller.bound
+        self.filter_staleness = self.staleness  # the staleness filter's bound (the controller's filter_bound)
+        self.advisor = FleetAdvisor()
+        self.bounds: list[int] = []
+        self.advice: list[int] = []
+        self._batch_lag = 0.0
+        self._last_idle = 0.0
         self.t = 0.0
         self.events: list[tuple[float, int, str, int, int]] = []  # (t, seq, kind, gen idx, stamp)
         self._seq = 0
@@ -235,7 +264,7 @@ class Simulator:
         if self._filtered != (self.version, len(self.queue)):
             keep = []
             for grp in self.queue:
-                if grp["tokens"] and self.version - min(grp["tokens"]) > self.staleness:
+                if grp["tokens"] and self.version - min(grp["tokens"]) > self.filter_staleness:
                     self.dropped += 1  # acked, counted, its prompt given back to the admission budget
                 else:
                     keep.append(grp)
@@ -246,9 +275,12 @@ class Simulator:
             return
         batch, self.queue = self.queue[:self.c.batch_groups], self.queue[self.c.batch_groups:]
         tokens = sum(sum(grp["tokens"].values()) for grp in batch)
+        lag_sum = 0
         for grp in batch:
             for version, num in grp["tokens"].items():
                 self.lags[self.version - version] = self.lags.get(self.version - version, 0) + num
+                lag_sum += (self.version - version) * num
+        self._batch_lag = lag_sum / max(tokens, 1)
         self.learner_idle_s += self.t - self._idle_since
         self.trained_tokens.append(tokens)
         self._rates_change(lambda: setattr(self, "learner", "train"))
@@ -290,7 +322,27 @@ class Simulator:
         self.gen_idle_at_step.append(self._gen_idle_total())
         self._idle_since = self.t
         self._lease_all()
+        self._control()
         self._try_train()
+
+    def _control(self) -> None:
+        """After each step: the controller and the fleet advisor see what the learner would measure."""
+        c, ends = self.c, self.step_ends
+        interval = ends[-1] - (ends[-2] if len(ends) > 1 else 0.0)
+        wait = self.learner_idle_s - self._last_idle
+        self._last_idle = self.learner_idle_s
+        sig = StepSignals(wait_s=wait, busy_s=max(interval - wait, 0.0), backlog=self.released - self.leased,
+                          batch_groups=c.batch_groups, num_generators=c.num_generators,
+                          ess=math.exp(-c.ess_drift * self._batch_lag) if c.ess_drift > 0 else None)
+        if self.controller is not None:
+            if self.controller.observe(sig) is not None:
+                self.staleness = self.controller.bound
+                self._filtered = (-1, 0)
+                self._lease_all()
+            self.filter_staleness = self.controller.filter_bound
+        self.bounds.append(self.staleness)
+        capped = self.controller is None or self.controller.bound >= self.controller.hi
+        self.advice.append(self.advisor.observe(sig, bound_capped=capped))
 
     def _gen_idle_total(self) -> float:
         return sum(g.idle_s + (self.t - g.idle_since if g.idle_since is not None else 0.0) for g in self.gens)
@@ -311,7 +363,7 @@ class Simulator:
             elif kind == "arrive":
                 self.completed += 1
                 grp = self._arrivals.popleft()
-                if grp["tokens"] and self.version - min(grp["tokens"]) > self.staleness:
+                if grp["tokens"] and self.version - min(grp["tokens"]) > self.filter_staleness:
                     self.dropped += 1
                 else:
                     self.queue.append(grp)
@@ -340,7 +392,10 @@ class Simulator:
             lag_mean=sum(k * v for k, v in self.lags.items()) / num, lag_max=max(self.lags, default=0),
             lag_hist={str(k): self.lags[k] for k in sorted(self.lags)},
             learner_idle_ratio=(self.idle_at_step[-1] - self.idle_at_step[0]) / max(window, 1e-12),
-            generator_idle_ratio=gen_idle / max(window, 1e-12), dropped_stale=self.dropped, step_times=ends)
+            generator_idle_ratio=gen_idle / max(window, 1e-12), dropped_stale=self.dropped, step_times=ends,
+            step_tokens=self.trained_tokens[:len(ends)], bounds=self.bounds, fleet_advice=self.advice,
+            changes=[asdict(ch) for ch in self.controller.changes] if self.controller else [],
+            direction_changes=self.controller.num_direction_changes if self.controller else 0)
 
 
 def simulate(cfg: SimConfig) -> SimResult:
