@@ -11,9 +11,9 @@ __all__ = ["PromptRecord", "Run", "Task", "launch", "load", "register_reward", "
 
 def __getattr__(name: str):
     if name in ("Task", "PromptRecord"):  # what a task of your own is made of (asyncrl/tasks/registry.py)
-        from asyncrl.tasks import registry, synthetic
+        from asyncrl.tasks import base, registry
 
-        return registry.Task if name == "Task" else synthetic.PromptRecord
+        return registry.Task if name == "Task" else base.PromptRecord
     if name in __all__ or name == "api":
         import importlib
 

@@ -13,7 +13,7 @@ from asyncrl.config import Config
 from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys
 from asyncrl.protocol.store import dedupe_append, seen_ttl_s
-from asyncrl.tasks.synthetic import PromptRecord
+from asyncrl.tasks.base import PromptRecord
 from buffers.gauges import Counters
 from buffers.refusals import Refusals
 from buffers.wakeups import Wakeups
@@ -115,7 +115,7 @@ class Ingest:
     def _epoch_positions(self, epoch: int) -> list[int]:
         """The position of each row in `epoch`'s release order (a few epochs cached, recomputed on a miss)."""
         if epoch not in self._positions:
-            from asyncrl.tasks.synthetic import epoch_order
+            from asyncrl.tasks.base import epoch_order
 
             if len(self._positions) >= 4:  # a few epochs around the cursor; recomputed on a miss
                 self._positions.pop(next(iter(self._positions)))

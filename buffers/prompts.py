@@ -15,7 +15,7 @@ from asyncrl.protocol.fleet import admitted, read_fleet
 from asyncrl.protocol.keys import PROMPT_GROUP, Keys, log_event
 from asyncrl.protocol.notify import publish
 from asyncrl.protocol.store import group_lag
-from asyncrl.tasks.synthetic import PromptRecord, iter_epochs
+from asyncrl.tasks.base import PromptRecord, iter_epochs
 from buffers.gauges import Counters
 
 log = logging.getLogger("buffers.service")  # the buffer's records keep the one name they have always had

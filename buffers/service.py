@@ -25,7 +25,7 @@ from asyncrl.protocol import schema
 from asyncrl.protocol.keys import Keys, connect, log_event
 from asyncrl.protocol.retry import RETRYABLE
 from asyncrl.protocol.store import ensure_groups
-from asyncrl.tasks.synthetic import PromptRecord
+from asyncrl.tasks.base import PromptRecord
 from buffers.gauges import RCVHWM, Counters, Gauges
 from buffers.ingest import Ingest
 from buffers.prompts import RELEASE_BACKLOG_S, PromptFeed

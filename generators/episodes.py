@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.envs.base import Environment, Message, clip_observation, examples_of, system_prompt_of
-from asyncrl.tasks.synthetic import PromptRecord
+from asyncrl.tasks.base import PromptRecord
 
 log = logging.getLogger(__name__)
 

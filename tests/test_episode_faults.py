@@ -7,7 +7,7 @@ import time
 import pytest
 
 from asyncrl.envs.base import Environment, StepResult
-from asyncrl.tasks.synthetic import PromptRecord
+from asyncrl.tasks.base import PromptRecord
 from generators.episodes import EpisodeLimits, TurnCodec, run_episode
 
 

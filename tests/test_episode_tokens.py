@@ -7,7 +7,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.envs.guess import GuessEnv, prompt
-from asyncrl.tasks.synthetic import PromptRecord
+from asyncrl.tasks.base import PromptRecord
 from generators.episodes import EpisodeLimits, TurnCodec, run_episode
 from tests.test_smollm2 import smollm2  # noqa: F401 - the converted SmolLM2 folder (a session fixture)
 

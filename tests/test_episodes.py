@@ -15,7 +15,7 @@ from asyncrl.envs.python_tool import PythonToolEnv
 from asyncrl.envs.sandbox import SandboxLimits, run_python
 from asyncrl.envs.tools import ToolCall, ToolCallError, parse_tool_call
 from asyncrl.protocol import schema
-from asyncrl.tasks.synthetic import PromptRecord
+from asyncrl.tasks.base import PromptRecord
 from learners import packing
 from learners.batch import build_step, micro_batch
 from learners.step import batch_targets, policy_update

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
-    from asyncrl.tasks.synthetic import PromptRecord
+    from asyncrl.tasks.base import PromptRecord
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 

@@ -25,8 +25,8 @@ import zlib
 from asyncrl.envs.base import StepResult, run_blocking
 from asyncrl.envs.tools import ToolCall, ToolEnvironment
 from asyncrl.tasks.arith import arith_reward, operand_range
+from asyncrl.tasks.base import EVAL_SEED_OFFSET, PromptRecord
 from asyncrl.tasks.registry import Task
-from asyncrl.tasks.synthetic import EVAL_SEED_OFFSET, PromptRecord
 
 TOOLS = {"calculator": "expression"}
 SYSTEM_PROMPT = ("You can use a calculator. To use it, write <calculator>EXPRESSION</calculator> and stop; "

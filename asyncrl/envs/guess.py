@@ -13,8 +13,8 @@ import random
 
 from asyncrl.envs.base import Environment, StepResult
 from asyncrl.tasks.arith import extract_integer
+from asyncrl.tasks.base import EVAL_SEED_OFFSET, PromptRecord
 from asyncrl.tasks.registry import Task
-from asyncrl.tasks.synthetic import EVAL_SEED_OFFSET, PromptRecord
 
 SYSTEM_PROMPT = "Play a guessing game. Reply to each message with one whole number."
 

@@ -26,9 +26,9 @@ import random
 import re
 import zlib
 
+from asyncrl.tasks.base import PromptRecord
 from asyncrl.tasks.math_reward import extract_boxed
 from asyncrl.tasks.registry import Task
-from asyncrl.tasks.synthetic import PromptRecord
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks.synthetic import PromptRecord
+from asyncrl.tasks.base import PromptRecord
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncrl.protocol import schema
+from asyncrl.tasks.base import PromptRecord
 from asyncrl.tasks.data import load_dataset_from_config
 from asyncrl.tasks.prompts import eval_set_path
 from asyncrl.tasks.registry import get_task
-from asyncrl.tasks.synthetic import PromptRecord
 
 EVAL_GROUP = "generators"  # consumer group on the eval_prompts stream
 

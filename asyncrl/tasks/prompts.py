@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from asyncrl.tasks.base import PromptRecord
 from asyncrl.tasks.data import load_dataset_from_config
 from asyncrl.tasks.registry import Task
-from asyncrl.tasks.synthetic import PromptRecord
 
 
 def eval_set_path(cfg) -> str:

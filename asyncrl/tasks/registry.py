@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from asyncrl.registry import ADVANTAGES
+from asyncrl.tasks.base import PromptRecord
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
-    from asyncrl.tasks.synthetic import PromptRecord
 
-Rows = Callable[["Config"], "list[PromptRecord]"]
+Rows = Callable[["Config"], list[PromptRecord]]
 
 # name -> the module whose `TASK` it is. Adding a built-in task: its file, and its line here.
 BUILTIN: dict[str, str] = {

@@ -1,4 +1,4 @@
-"""Synthetic tasks with verifiable rewards, and the prompt records every task yields.
+"""The copy task, a synthetic task with a verifiable reward (the prompt records are in asyncrl/tasks/base.py).
 
 The `copy` task: the prompt is a short string of letters followed by `=`, the correct completion is
 the same letters. The reward is the per-position match rate, with length mismatch counted against
@@ -11,21 +11,9 @@ Training rows: `data.num_prompts` strings drawn from `run.seed` (`data.alphabet`
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
 
+from asyncrl.tasks.base import EVAL_SEED_OFFSET, PromptRecord
 from asyncrl.tasks.registry import Task
-
-EVAL_SEED_OFFSET = 104_729  # the held-out rows' seed is run.seed + this (the arith task uses the same)
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    """One dataset row: what the generator sees and what the reward needs."""
-
-    prompt_id: str
-    prompt: str
-    answer: str
 
 
 def copy_prompt(letters: str) -> str:
@@ -50,25 +38,6 @@ def copy_dataset(num_rows: int, seed: int, alphabet: str = "abcdefgh", min_len: 
         letters = "".join(rng.choice(alphabet) for _ in range(length))
         rows.append(PromptRecord(prompt_id=f"copy-{seed}-{i}", prompt=copy_prompt(letters), answer=letters))
     return rows
-
-
-def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
-    """Row indices in the order epoch `epoch` releases them (what `iter_epochs` walks)."""
-    order = list(range(num_rows))
-    random.Random(seed + epoch).shuffle(order)
-    return order
-
-
-def iter_epochs(rows: list[PromptRecord], seed: int, start_epoch: int = 0,
-                start_index: int = 0) -> Iterator[tuple[int, int, PromptRecord]]:
-    """Yields (epoch, index, row) forever, reshuffled each epoch deterministically from `seed`."""
-    epoch, index = start_epoch, start_index
-    while True:
-        order = epoch_order(len(rows), seed, epoch)
-        while index < len(order):
-            yield epoch, index, rows[order[index]]
-            index += 1
-        epoch, index = epoch + 1, 0
 
 
 # ---- the copy task (data.task=copy) ---------------------------------------------------------------
