@@ -52,7 +52,7 @@ class StepMetrics:
               f"lag={row['lag_mean']:.2f}/{row['lag_max']} dropped_stale={feed.dropped_stale} "
               f"dropped_frac={row['dropped_frac']:.3f} "
               f"gen_tok/s={row['gen_tokens_per_s']:8.1f} learn_tok/s={row['learner_tokens_per_s']:8.1f} "
-              f"compute_s={row['compute_s']:.3f} tflops={row['tflops']:.1f} mfu={row['mfu']:.3f} "
+              f"compute_s={row['compute_s']:.3f} tflops={row['tflops']:.3g} mfu={row['mfu']:.3f} "
               f"wait_s={row['data_wait_s']:.3f} "
               f"sync_s={sync_s:.3f} depth={row['buffer_depth']} loss={stats['loss']:+.4f}", flush=True)
 
