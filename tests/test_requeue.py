@@ -1,7 +1,8 @@
 """A group the learner drops unused (too stale, or sampled ahead of a resumed learner) wastes no prompt:
 its prompt goes back on the requeue list with the ack, the buffer releases it again before any new one
 (same group id, against the admission budget), the new group is stored despite the old one's dedupe key,
-a late copy of the old group is refused by its lease, and the prompt is trained once. Real redis-server,
+a late copy of the old group is refused by its lease, and the prompt is trained once; a resumed
+learner sends back the prompts of groups sampled ahead of its checkpoint. Real redis-server,
 the learner's real reader and the buffer's real prompt release and dedupe script."""
 
 from __future__ import annotations
@@ -104,3 +105,29 @@ def test_a_retried_drop_neither_requeues_nor_counts_twice_and_a_leaseless_group_
     leased = make_group("p0@e0", lease_id="1-0")
     assert requeue_dropped(client, keys, [(entry_id, leased)], "stale") == (0, 0), "already acked: nothing"
     assert client.llen(keys.requeue) == 0 and int(client.hget(keys.learner, "dropped_groups")) == 1
+
+
+def test_a_resumed_learner_sends_back_the_prompts_of_groups_sampled_ahead_of_its_checkpoint(make_cfg,
+                                                                                          redis_server):
+    import msgspec
+
+    from learners.feed import Feed
+    from learners.fleet import Fleet
+    from tests.helpers import fixed_groups
+
+    cfg = make_cfg("run.name=rqres", redis=redis_server)
+    client, keys = connect(redis_server.url), Keys("rqres")
+    ensure_groups(client, keys)
+    groups = []
+    for i, g in enumerate(fixed_groups(4)):  # sampled at versions 1, 2, 3, 4, each under its prompt's lease
+        v = i + 1
+        samples = [msgspec.structs.replace(s, versions=schema.pack_i32([v] * s.num_tokens)) for s in g.samples]
+        groups.append(msgspec.structs.replace(g, samples=samples, lease_id=f"{100 + i}-0"))
+        client.xadd(keys.trajectories, {"data": schema.encode(groups[-1])})
+    # The learner that read them died; its checkpoint is at version 2: groups at 3 and 4 are ahead.
+    client.xreadgroup(LEARNER_GROUP, "learner-0", {keys.trajectories: ">"}, count=10)
+    feed = Feed(cfg, client, keys, Fleet(cfg, client, keys), vocab_size=128, version=2)
+    assert [g.group_id for _, g in feed.pending] == ["p0@e0", "p1@e0"]
+    assert [g.decode() for g in client.lrange(keys.requeue, 0, -1)] == ["p2@e0", "p3@e0"]
+    assert feed.requeued_ahead == 2 and int(client.hget(keys.learner, "requeued_ahead")) == 2
+    assert group_pending(client, keys.trajectories, LEARNER_GROUP) == 2  # the two to train again
