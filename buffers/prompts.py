@@ -1,6 +1,7 @@
 """The buffer's prompt side: prompt groups released to the `prompts` stream under the admission rule
 (staleness bounded by construction), and prompts whose lease expired (their generator died)
-released again after `buffer.lease_timeout_s`.
+released again after `buffer.lease_timeout_s`, and prompts whose group the learner dropped unused
+(too stale, or sampled ahead of a resumed learner) released again before any new one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,34 @@ log = logging.getLogger("buffers.service")  # the buffer's records keep the one 
 
 RECLAIMER = "buffer-reclaim"
 RELEASE_BACKLOG_S = 0.05  # how often a release held back by buffer.prompt_backlog is tried again
+
+# Re-release of the requeue list's head (group ids the learner dropped unused, learners/reader.py) as
+# a compare-and-set on the cursor's `released`, like a new release: a retry, or a second buffer, finds
+# it moved or the head changed and adds nothing. Each prompt counts against the admission budget as a
+# release. Its old `seen:` key goes: the group stored under that id was never trained, and a late copy
+# of it is refused by its lease, acked when it was stored. ARGV: released, k, k ids, k frames ('' for a
+# prompt not in this run's data: popped, not released); KEYS: cursor, prompts, requeue, k seen keys.
+RELEASE_REQUEUED = """
+if tonumber(redis.call('HGET', KEYS[1], 'released') or '0') ~= tonumber(ARGV[1]) then return -1 end
+local k = tonumber(ARGV[2])
+local head = redis.call('LRANGE', KEYS[3], 0, k - 1)
+if #head ~= k then return -1 end
+for i = 1, k do
+  if head[i] ~= ARGV[2 + i] then return -1 end
+end
+local n = 0
+for i = 1, k do
+  local frame = ARGV[2 + k + i]
+  if frame ~= '' then
+    redis.call('XADD', KEYS[2], '*', 'data', frame)
+    redis.call('DEL', KEYS[3 + i])
+    n = n + 1
+  end
+end
+redis.call('LTRIM', KEYS[3], k, -1)
+redis.call('HSET', KEYS[1], 'released', tonumber(ARGV[1]) + n)
+return n
+"""
 
 
 def admission_budget(version: int, max_staleness: int, groups_per_step: int, dropped_groups: int) -> int:
@@ -54,6 +83,9 @@ class PromptFeed:
     def __init__(self, cfg: Config, client, keys: Keys, rows: list[PromptRecord], counters: Counters):
         self.cfg, self.client, self.keys, self.rows, self.counters = cfg, client, keys, rows, counters
         self.backlog_bound = False  # the last release was held back by buffer.prompt_backlog
+        self._row_of = {}
+        for row in rows:
+            self._row_of.setdefault(row.prompt_id, row)
 
     def release(self) -> int:
         """Releases prompts up to the admission budget and the backlog cap; returns how many."""
@@ -67,6 +99,14 @@ class PromptFeed:
         self.backlog_bound = cfg.buffer.prompt_backlog - backlog < budget - cursor["released"]
         if num <= 0:
             return 0
+        requeued = self._release_requeued(num, cursor["released"])
+        if requeued < 0:
+            log.warning("prompt cursor moved under us (another buffer instance?): release skipped")
+            return 0
+        num, cursor["released"] = num - requeued, cursor["released"] + requeued
+        if num <= 0:
+            publish(client, keys, "prompts")
+            return requeued
         it = iter_epochs(self.rows, cfg.run.seed, cursor["epoch"], cursor["index"])
         now = time.time()
         epoch, index = cursor["epoch"], cursor["index"]
@@ -86,7 +126,32 @@ class PromptFeed:
             log.warning("prompt cursor moved under us (another buffer instance?): release skipped")
             return 0
         publish(client, keys, "prompts")  # sync-mode generators read the prompt stream without blocking
-        return num
+        return requeued + num
+
+    def _release_requeued(self, num: int, released: int) -> int:
+        """Releases up to `num` prompts from the requeue list's head (same group id, so the ingest's
+        check that the id was released holds); returns how many, -1 if the cursor or the list moved."""
+        client, keys = self.client, self.keys
+        ids = [i.decode() for i in client.lrange(keys.requeue, 0, num - 1)]
+        if not ids:
+            return 0
+        now, frames = time.time(), []
+        for gid in ids:
+            parts = schema.split_group_id(gid)
+            row = self._row_of.get(parts[0]) if parts else None
+            if row is None:
+                log.error("requeued group %r names no prompt of this run's data: not released again", gid)
+                frames.append(b"")
+                continue
+            frames.append(schema.encode(schema.PromptTask(
+                schema_version=schema.SCHEMA_VERSION, group_id=gid, prompt_id=row.prompt_id, prompt=row.prompt,
+                answer=row.answer, released_at=now)))
+        n = int(client.eval(RELEASE_REQUEUED, 3 + len(ids), keys.cursor, keys.prompts, keys.requeue,
+                            *[keys.seen(g) for g in ids], released, len(ids), *ids, *frames))
+        if n > 0:
+            self.counters.count("requeues", n)
+            log_event(client, keys, "requeue", num=n)
+        return n
 
     def _budget(self, version: int, dropped: int, released: int, bound: bytes | None = None) -> int:
         """The admission budget at learner `version` with `dropped` groups dropped by the learner,

@@ -16,7 +16,7 @@ from asyncrl.protocol.keys import LEARNER_GROUP, Keys, connect, log_event
 from asyncrl.protocol.store import ack_dropped, ensure_groups, group_lag
 from learners.fleet import Fleet
 from learners.quarantine import Quarantine
-from learners.reader import TrajectoryReader
+from learners.reader import TrajectoryReader, requeue_dropped
 
 log = logging.getLogger("learners.trainer")  # the learner's records keep the one name they have always had
 
@@ -63,6 +63,7 @@ class Feed:
         self.unacked: list = []  # entries of trained groups, acked once their update is durable
         self.dropped_stale = 0
         self.dropped_zero_var = 0
+        self.requeued_ahead = 0  # prompts of groups dropped on recovery, sent back (the reader counts its own)
         self.idle_s = 0.0
         self.data_wait_s = 0.0  # this step's: waiting for data
         self.last_fleet_check = 0.0
@@ -86,15 +87,15 @@ class Feed:
         read = [(entry_id, g) for entry_id, fields in entries if (g := quarantine.entry(entry_id, fields)) is not None]
         screened = quarantine.screen(read)
         keep = [(e, g) for e, g in screened if g.max_version() <= version]
-        ahead = [e for e, g in screened if g.max_version() > version]
-        if ahead:
-            ack_dropped(self.client, self.keys, ahead)
+        ahead = [(e, g) for e, g in screened if g.max_version() > version]
+        if ahead:  # sampled by weights this learner no longer has: never trained, their prompts sampled again
+            self.requeued_ahead += requeue_dropped(self.client, self.keys, ahead, "ahead")[1]
             self.dropped_stale += len(ahead)
         self.pending.extend(keep)
         quarantined, deleted = quarantine.num - moved0, quarantine.num_deleted - deleted0
         log.warning("%d trajectory groups were delivered before the restart but never acked: re-training %d, "
                     "quarantined %d (see %s), %d deleted from the stream, %d dropped as sampled by versions "
-                    "ahead of this learner's %d", len(entries), len(keep), quarantined, self.keys.quarantine,
+                    "ahead of this learner's %d (their prompts sampled again)", len(entries), len(keep), quarantined, self.keys.quarantine,
                     deleted, len(ahead), version)
         log_event(self.client, self.keys, "redeliver", num=len(keep), quarantined=quarantined, deleted=deleted,
                   ahead=len(ahead))

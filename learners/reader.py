@@ -11,7 +11,10 @@ Strategies (`buffer.sampling`):
 
 Staleness rule: a group whose oldest token lags the learner by more than algorithm.max_staleness is
 never trained on; a fresh one is acked and counted (`dropped_groups` in the `learner` hash, which
-gives it back to the buffer's admission budget), a replayed one just leaves the pool.
+gives it back to the buffer's admission budget), a replayed one just leaves the pool. A fresh one
+dropped (too stale, or sampled ahead of this learner) wastes no prompt: its group id goes on the
+`requeue` list in the same script as the ack, and the buffer releases that prompt again before any
+new one (buffers/prompts.py), counted as `requeued_stale` / `requeued_ahead` in the `learner` hash.
 
 Exactly once into the model, on our side of the stream: group ids already handed out are
 remembered, so an entry Redis delivers again (after a redis-server restart replayed an AOF from
@@ -32,12 +35,48 @@ import redis
 from asyncrl.config import Config
 from asyncrl.protocol import retry, schema
 from asyncrl.protocol.keys import LEARNER_GROUP, Keys, log_event
-from asyncrl.protocol.store import ack_dropped
 
 log = logging.getLogger(__name__)
 
 POOL_BATCHES = 4  # `newest` / `replay`: groups held ahead, in batches
 REMEMBER = 200_000  # group / entry ids remembered for redelivery checks
+
+
+# Acks dropped groups, gives them back to the admission budget and puts the group id of each one this
+# call acked on the requeue list (a group with no lease, from older writers, is only dropped: its
+# dedupe rests on the `seen:` key alone). Counted by what XACK acked, so a retried call neither
+# counts nor requeues twice. ARGV: group, MAXLEN, counter, then (entry id, group id or '') pairs.
+REQUEUE_DROPPED = """
+local n, q = 0, 0
+for i = 4, #ARGV, 2 do
+  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
+    n = n + 1
+    if ARGV[i + 1] ~= '' then
+      redis.call('RPUSH', KEYS[4], ARGV[i + 1])
+      q = q + 1
+    end
+  end
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'dropped_groups', n)
+  if q > 0 then redis.call('HINCRBY', KEYS[2], ARGV[3], q) end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'k', 'version')
+end
+return {n, q}
+"""
+
+
+def requeue_dropped(client: redis.Redis, keys: Keys, dropped: list, why: str) -> tuple[int, int]:
+    """Acks the `dropped` (entry id, group) pairs, never trained, and sends their prompts back to be
+    sampled again; `why`: "stale" or "ahead". Returns (acked, requeued)."""
+    if not dropped:
+        return 0, 0
+    from asyncrl.protocol.notify import MAXLEN
+
+    args = [a for e, g in dropped for a in (e, g.group_id if g.lease_id else "")]
+    n, q = client.eval(REQUEUE_DROPPED, 4, keys.trajectories, keys.learner, keys.notify, keys.requeue,
+                       LEARNER_GROUP, MAXLEN, f"requeued_{why}", *args)
+    return int(n), int(q)
 
 
 @dataclass
@@ -83,6 +122,7 @@ class TrajectoryReader:
         self.num_replay_expired = 0
         self.num_rescued = 0
         self.num_dropped_ahead = 0  # of num_dropped_stale: sampled by versions this learner has not reached
+        self.num_requeued = {"stale": 0, "ahead": 0}  # prompts of dropped groups sent back to be sampled again
 
     # ---- Redis -----------------------------------------------------------------------------------
 
@@ -136,31 +176,33 @@ class TrajectoryReader:
                         len(redelivered))
 
     def _drop_stale(self, version: int) -> int:
-        keep, stale, ahead = [], [], 0
+        keep, stale, ahead = [], [], []
         for e in self.pool:
             # A token from a version this learner has not reached was sampled by weights it never had (an
             # older run's state, or updates lost with a checkpoint): never trained, so a lag is never negative.
             if e.max_version > version:
-                ahead += 1
-                stale.append(e.entry_id)
+                ahead.append((e.entry_id, e.group))
             # Staleness rule: a group whose oldest token lags more than max_staleness is not trained on.
             elif version - e.min_version <= self.max_staleness:
                 keep.append(e)
             elif e.uses == 0:
-                stale.append(e.entry_id)
+                stale.append((e.entry_id, e.group))
             else:
                 self.num_replay_expired += 1
         self.pool = keep
-        if not stale:
+        if not stale and not ahead:
             return 0
-        ack_dropped(self.client, self.keys, stale)
-        self.num_dropped_stale += len(stale)
+        for why, dropped in (("stale", stale), ("ahead", ahead)):
+            self.num_requeued[why] += requeue_dropped(self.client, self.keys, dropped, why)[1]
+        self.num_dropped_stale += len(stale) + len(ahead)
         if ahead:
-            self.num_dropped_ahead += ahead
+            self.num_dropped_ahead += len(ahead)
             log.warning("dropped %d trajectory groups sampled by versions ahead of this learner's %d (not trained; "
-                        "they come from weights this learner never had)", ahead, version)
-        log_event(self.client, self.keys, "drop_stale", num=len(stale), version=version, ahead=ahead)
-        return len(stale)
+                        "they come from weights this learner never had); their prompts are sampled again",
+                        len(ahead), version)
+        log_event(self.client, self.keys, "drop_stale", num=len(stale) + len(ahead), version=version,
+                  ahead=len(ahead))
+        return len(stale) + len(ahead)
 
     # ---- strategy --------------------------------------------------------------------------------
 
@@ -210,4 +252,5 @@ class TrajectoryReader:
     def stats(self) -> dict[str, int]:
         return {"dropped_stale": self.num_dropped_stale, "redelivered": self.num_redelivered,
                 "replayed": self.num_replayed, "replay_expired": self.num_replay_expired,
-                "rescued": self.num_rescued, "dropped_ahead": self.num_dropped_ahead, "pool": len(self.pool)}
+                "rescued": self.num_rescued, "dropped_ahead": self.num_dropped_ahead, "pool": len(self.pool),
+                "requeued_stale": self.num_requeued["stale"], "requeued_ahead": self.num_requeued["ahead"]}

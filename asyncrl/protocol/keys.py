@@ -61,6 +61,11 @@ class Keys:
         return self._k("events")
 
     @property
+    def requeue(self) -> str:
+        """List: group ids the learner dropped unused, whose prompts the buffer releases again first."""
+        return self._k("requeue")
+
+    @property
     def cursor(self) -> str:
         return self._k("cursor")
 
