@@ -96,15 +96,19 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
 
 
 def _clipped_value_error(critic: nn.Module, mb: MicroBatch, old_values_N: torch.Tensor, returns_N: torch.Tensor,
-                         keep_N: torch.Tensor | None, clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         keep_N: torch.Tensor | None, clip: float,
+                         weight_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(err_bT, mask_bT, wins_bT) of one micro-batch: the PPO clipped value error 0.5 * max((V - R)^2,
-    (V_clipped - R)^2), the tokens it counts on, and where the clipped term was the larger one."""
+    (V_clipped - R)^2) (times each sequence's PF-PPO `weight_N`), the tokens it counts on, and where
+    the clipped term was the larger one."""
     v = mb.grid(micro_values(critic, mb))
     old, ret, mask = mb.grid(old_values_N[mb.flat_N]), mb.grid(returns_N[mb.flat_N]), mb.mask_bT
     if keep_N is not None:
         mask = mask * mb.grid(keep_N.index_select(0, mb.flat_N)).to(mask.dtype)
     clipped = old + (v - old).clamp(-clip, clip)
     err = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+    if weight_N is not None:
+        err = err * mb.grid(weight_N.index_select(0, mb.flat_N))
     with torch.no_grad():
         wins = ((clipped.detach() - ret) ** 2 > (v.detach() - ret) ** 2) & mask.bool()
     return err, mask, wins
@@ -126,7 +130,8 @@ def _critic_stats(step: StepBatch, old_values_N: torch.Tensor, returns_N: torch.
 
 def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: StepBatch, plan: StepPlan,
                   old_values_N: torch.Tensor, returns_N: torch.Tensor, cfg: Config, rank: int = 0, world: int = 1,
-                  pad_id: int = 0, scheduler=None, keep_N: torch.Tensor | None = None) -> dict[str, float]:
+                  pad_id: int = 0, scheduler=None, keep_N: torch.Tensor | None = None,
+                  weight_N: torch.Tensor | None = None) -> dict[str, float]:
     """The PPO clipped value loss over the same mini- and micro-batches as the policy (`plan`), one
     optimizer step per mini-batch, aggregated by algorithm.critic_aggregation (default the token
     mean) and normalised over each whole mini-batch (as in `policy_update`).
@@ -134,6 +139,7 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
     `keep_N` (the step's `Targets.keep_N`, algorithm.rollout_rs): the tokens rejection sampling kept.
     Rejected tokens leave the value loss and its token / sequence counts as they leave the policy
     loss: a token whose pi_prox / mu is out of bounds fits the value to a return it would not earn.
+    `weight_N` (the step's `Targets.value_weight_N`, algorithm.pf_ppo): each token's sequence weight.
 
     Stats: this rank's part of the mean mini-batch value loss of the first epoch (the critic as it
     scored the batch on a first update; the ranks' parts add up to it), the fraction of this rank's
@@ -159,7 +165,7 @@ def critic_update(critic: nn.Module, optimizer: torch.optim.Optimizer, step: Ste
             num_tokens, num_seqs = kept_counts(step, mbatch, kept_S)
             for seqs in mbatch.micro[rank]:
                 mb = micro_batch(step, seqs, lc.packing, pad_id)
-                err, mask, wins = _clipped_value_error(critic, mb, old_values_N, returns_N, keep_N, clip)
+                err, mask, wins = _clipped_value_error(critic, mb, old_values_N, returns_N, keep_N, clip, weight_N)
                 loss = aggregate_normalised(err, mask, alg.critic_aggregation, num_tokens, num_seqs, norm_tokens)
                 (loss * world).backward()
                 part += loss.detach()

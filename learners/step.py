@@ -115,6 +115,8 @@ class Targets:
     keep_N: torch.Tensor | None = None  # algorithm.rollout_rs: 1 for the tokens the loss keeps, else 0
     is_scale: torch.Tensor | None = None  # algorithm.is_normalize: the batch-mean IS weight the loss divides by
     stats: dict = field(default_factory=dict)  # whole-step statistics (rejection fractions, IS normaliser)
+    weight_N: torch.Tensor | None = None  # algorithm.pf_ppo: each token's sequence weight on every policy-loss term
+    value_weight_N: torch.Tensor | None = None  # the same under critic_aggregation, on the value loss
 
 
 def rollout_correction(step: StepBatch, prox_N: torch.Tensor, alg: AlgorithmConfig) -> tuple:
@@ -161,8 +163,8 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
     (as verl and OpenRLHF do), returns = advantages before whitening + values. Rejection sampling and
     IS normalisation need pi_prox of the whole step before the first update, so they add the no-grad
     proximal pass when the step has a single update. Everything here runs over the policy's tokens
-    alone (`step.policy`: observation tokens of episodes left out, so returns cross them). algorithm.pf_ppo scales each sample's
-    advantage by its PF-PPO weight; with a reference and pi_prox computed ahead, `stats["kl"]` is
+    alone (`step.policy`: observation tokens of episodes left out, so returns cross them). algorithm.pf_ppo
+    weighs every loss term of each sample (`pf_ppo_weights`); with a reference and pi_prox computed ahead, `stats["kl"]` is
     KL(pi_prox || pi_ref), the adaptive controller's statistic.
     """
     alg = cfg.algorithm
@@ -194,9 +196,8 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
                                 baselines_G=step.baselines_G,
                                 is_weights_BT=otb_is_weights(step, prox, alg) if alg.otb_is_weights else None)
     adv_ST, returns_ST = adv_fns.estimate(x)
-    if alg.pf_ppo != "none":
-        adv_ST = adv_ST * adv_fns.pf_ppo_weights(step.rewards_S.to(adv_ST.dtype), alg.pf_ppo, alg.pf_ppo_pow)[:, None]
     keep, scale, stats = rollout_correction(step, prox, alg) if (alg.rollout_rs or alg.is_normalize) else (None, None, {})
+    weights = pf_ppo_token_weights(step, rewards_S, keep, alg) if alg.pf_ppo != "none" else (None, None)
     if ref_N is not None and prox is not None:
         # The adaptive KL controller's statistic, KL(pi_prox || pi_ref) over the tokens the loss
         # trains, measured at pi_prox (as verl measures it at the old policy), not after earlier
@@ -205,7 +206,20 @@ def batch_targets(model: nn.Module, step: StepBatch, plan: StepPlan, cfg: Config
         kl_at_prox_ST = pv.grid(kl_fns.kl_estimate(prox, ref_N, alg.kl_estimator))
         stats["kl"] = (kl_at_prox_ST * kept_ST).sum() / kept_ST.sum().clamp(min=1)
     return Targets(pv.flat(adv_ST), prox, ref_N, pv.flat(returns_ST) if returns_ST is not None else None,
-                   values_N if critic else None, keep, scale, stats)
+                   values_N if critic else None, keep, scale, stats, *weights)
+
+
+def pf_ppo_token_weights(step: StepBatch, rewards_S: torch.Tensor, keep_N: torch.Tensor | None,
+                         alg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """algorithm.pf_ppo: each token's sequence weight (N floats) for the policy loss's aggregation and
+    for critic_aggregation. The weights read `rewards_S`, the reward after DAPO's overlong penalty
+    (verl's scores); a weighted term stands for verl's resampled batch, which repeats or drops a
+    sample with all its terms (`adv_fns.pf_ppo_loss_weights` says what is exact)."""
+    w_S = adv_fns.pf_ppo_weights(rewards_S.double(), alg.pf_ppo, alg.pf_ppo_pow)
+    counted_N = step.mask_N.double() if keep_N is None else step.mask_N.double() * keep_N.double()
+    tokens_S = torch.zeros_like(w_S).index_add_(0, step.seq_of_N, counted_N)
+    return tuple(adv_fns.pf_ppo_loss_weights(w_S, tokens_S, agg)[step.seq_of_N].float()
+                 for agg in (alg.aggregation, alg.critic_aggregation))
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
@@ -346,14 +360,18 @@ def _micro_loss(model: nn.Module, mb: MicroBatch, step: StepBatch, targets: Targ
     loss_bT, st = losses.policy_loss(losses.LossInputs(logp, prox, behav, adv, mask, alg, valid))
     if targets.is_scale is not None:
         loss_bT = loss_bT / targets.is_scale
-    loss = agg(loss_bT, mask)
+    seq_w = None if targets.weight_N is None else pick(targets.weight_N)
+
+    def weighed(x_bT):  # algorithm.pf_ppo: every term of a sequence at its weight, as verl's resampling
+        return x_bT if seq_w is None else x_bT * seq_w
+    loss = agg(weighed(loss_bT), mask)
     if targets.ref_N is not None:
         kl_bT = kl_fns.kl_estimate(logp, pick(targets.ref_N), alg.kl_estimator)
         st["kl"] = (kl_bT.detach() * mask).sum() / mask.sum().clamp(min=1)
         if alg.kl_in == "loss":
-            loss = loss + kl_coef * agg(kl_bT, mask)
+            loss = loss + kl_coef * agg(weighed(kl_bT), mask)
     if alg.entropy_coef > 0:
-        loss = loss - alg.entropy_coef * agg(ent, mask)
+        loss = loss - alg.entropy_coef * agg(weighed(ent), mask)
     return _MicroLoss(loss, st, logp, ent, behav, valid)
 
 

@@ -58,7 +58,8 @@ def train_step(parts: Parts, groups: list[schema.TrajectoryGroup], step_index: i
         st["critic_lr"] = parts.critic_optimizer.param_groups[0]["lr"]
         st.update(critic_update(parts.critic, parts.critic_optimizer, step, plan, values, targets.returns_N, cfg,
                                 parts.rank, parts.world, parts.pad_id, scheduler=parts.critic_scheduler,
-                                keep_N=targets.keep_N))  # tokens rejection sampling dropped train no value
+                                keep_N=targets.keep_N,  # tokens rejection sampling dropped train no value
+                                weight_N=targets.value_weight_N))
     local_tokens = sum(step.policy_len[s] for seqs in micro for s in seqs)
     out = _across_ranks(st, local_tokens * parts.world / max(step.num_policy_tokens, 1), parts)
     if "kl" in out:

@@ -18,6 +18,7 @@ from asyncrl.algorithms import advantages as A
 from asyncrl.algorithms import losses as L
 from asyncrl.algorithms import rollout_correction as RC
 from asyncrl.config import AlgorithmConfig, ConfigError, load_config
+from asyncrl.protocol import schema
 
 F64 = torch.float64
 NAMES = registry.POLICY_LOSSES.names()
@@ -399,9 +400,101 @@ def test_kl_statistic_is_measured_at_pi_prox_with_several_updates():
     assert stats["kl"] == pytest.approx(want.item(), rel=1e-6), "not moved by the first mini-batch's update"
 
 
-def test_pf_ppo_scales_each_sample_advantage():
-    _, step, _, _, plain = _step_and_targets([])
-    _, _, _, _, pf = _step_and_targets(["algorithm.pf_ppo=max_random"])
-    w_S = A.pf_ppo_weights(step.rewards_S.double(), "max_random")
-    assert torch.allclose(pf.adv_N.double(), plain.adv_N.double() * w_S[step.seq_of_N], rtol=1e-6)
-    assert not torch.allclose(pf.adv_N, plain.adv_N)
+def test_pf_ppo_loss_weights_by_hand():
+    w = torch.tensor([1.6, 0.4], dtype=F64)
+    tokens = torch.tensor([1.0, 3.0], dtype=F64)
+    # Sequence aggregations: the expected draws of verl's resampling, as they are.
+    assert torch.equal(A.pf_ppo_loss_weights(w, tokens, "seq_mean_token_mean"), w)
+    # token_mean: rescaled to a token mean of 1, 4 / (1.6 * 1 + 0.4 * 3) = 4 / 2.8.
+    assert torch.allclose(A.pf_ppo_loss_weights(w, tokens, "token_mean"), torch.tensor([16 / 7, 4 / 7], dtype=F64))
+    assert torch.equal(A.pf_ppo_loss_weights(w, torch.zeros(2, dtype=F64), "token_mean"), w)
+
+
+def _groups_of(lengths, rewards, num_groups=1):
+    """`num_groups` groups of samples with these completion lengths and rewards."""
+    from tests.test_microbatch import ragged_groups
+
+    groups = ragged_groups(num_groups, n=len(lengths), seed=5)
+    for gi, g in enumerate(groups):
+        g.samples = [schema.Sample(completion_ids=schema.pack_i32([7 + gi + i for i in range(k)]),
+                                   logprobs=schema.pack_f32([-1.0] * k), versions=schema.pack_i32([0] * k), reward=r)
+                     for k, r in zip(lengths, rewards, strict=True)]
+    return groups
+
+
+@pytest.mark.parametrize("aggregation,want", [("seq_mean_token_mean", [2.0, 0.0]), ("token_mean", [5.0, 0.0])])
+def test_pf_ppo_weights_read_the_reward_after_the_overlong_penalty(aggregation, want):
+    """Rewards 1 and 1, lengths 2 and 8 with max_tokens 8 and a 4-token overlong buffer: the long
+    sample's reward is 1 - 1 * (8 - 4) / 4 = 0, so pow weights |r|^2 are 1 and 0 (x2 for mean 1);
+    token_mean rescales them by 10 tokens / (2 * 2) to 5 and 0. On the raw rewards both would be 1."""
+    overrides = ["algorithm.pf_ppo=pow", "generator.max_tokens=8", "algorithm.overlong_buffer=4",
+                 f"algorithm.aggregation={aggregation}"]
+    _, step, _, _, t = _step_and_targets(overrides, groups=_groups_of([2, 8], [1.0, 1.0]))
+    w_S = torch.zeros(2, dtype=F64).index_add_(0, step.seq_of_N, t.weight_N.double()) / torch.tensor([2.0, 8.0],
+                                                                                                      dtype=F64)
+    assert torch.allclose(w_S, torch.tensor(want, dtype=F64), atol=1e-6)
+
+
+def test_pf_ppo_weighs_every_loss_term_of_a_sample():
+    """With lr 0 the first update is at ratio 1, so the seq_mean_token_sum loss is
+    sum_t w_t * (policy_t + kl_coef * KL_t - entropy_coef * H_t) / sequences: the sample's PF-PPO
+    weight on the policy, KL-in-loss and entropy terms alike (verl's resampling repeats or drops all
+    of them), the advantages themselves unscaled. Two groups of a long rewarded sample (weight 1.6)
+    and a short unrewarded one (0.4), so weighting the KL and entropy sums moves them by ~40%."""
+    from asyncrl.algorithms.kl import kl_estimate
+    from learners.step import forward_N, logprobs_N, micro_logprobs, policy_update, rank_micro_batches
+    from tests.test_microbatch import tiny_lm
+
+    groups = _groups_of([10, 2], [1.0, 0.0], num_groups=2)
+    agg = "algorithm.aggregation=seq_mean_token_sum"
+    overrides = [agg, "algorithm.pf_ppo=max_random", "algorithm.kl_coef=0.3", "algorithm.kl_in=loss",
+                 "algorithm.entropy_coef=0.05"]
+    cfg = load_config(None, overrides)
+    _, step, plan, model, plain = _step_and_targets([agg], groups=groups)
+    micro = rank_micro_batches(plan, 0)
+    ref_N = logprobs_N(tiny_lm(seed=1), step, micro, cfg, 0)
+    _, _, _, _, t = _step_and_targets(overrides, groups=groups, model=model, ref_N=ref_N, kl_coef=0.3)
+    assert torch.equal(t.adv_N, plain.adv_N)
+    w_N = torch.tensor([1.6, 0.4, 1.6, 0.4], dtype=F64)[step.seq_of_N]  # 0.4 and 0.1 over their mean 0.25
+    assert torch.allclose(t.weight_N.double(), w_N, rtol=1e-6)
+    m = step.mask_N.double()
+    logp_N = logprobs_N(model, step, micro, cfg, 0).double()
+    ent_N = forward_N(lambda mb: micro_logprobs(model, mb, cfg.generator.temperature, with_entropy=True)[1],
+                      step, micro, cfg.learner.packing, 0).double()
+    kl_N = kl_estimate(logp_N, ref_N.double(), "k3")
+    for x in (kl_N, ent_N):  # the weighted sums are far from the unweighted ones
+        assert (w_N * x * m).sum() > 1.2 * (x * m).sum()
+    # decoupled_ppo at ratio 1: -min(pi / mu, is_cap) * A.
+    policy_N = -torch.exp(logp_N - step.behav_N.double()).clamp(max=2.0) * t.adv_N.double()
+    others_N = 0.3 * kl_N - 0.05 * ent_N
+    want = (w_N * (policy_N + others_N) * m).sum() / 4
+    stats = policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), step, plan, cfg, t, kl_coef=0.3)
+    assert stats["loss"] == pytest.approx(want.item(), rel=1e-6)
+    policy_only = ((w_N * policy_N + others_N) * m).sum() / 4  # the weight on the advantage alone
+    assert stats["loss"] != pytest.approx(policy_only.item(), rel=0.05)
+
+
+def test_pf_ppo_weighs_each_sample_value_loss():
+    """The critic's update with the step's PF-PPO value weights: the first update's value loss (lr 0, V = V_old) is
+    sum_t w_t * 0.5 * (V_t - R_t)^2 / sequences under critic_aggregation=seq_mean_token_sum, w each
+    sample's PF-PPO weight (mean 1 over sequences there)."""
+    from learners.critic import ValueModel, critic_update, old_values
+    from learners.step import pf_ppo_token_weights
+    from tests.test_microbatch import tiny_lm
+
+    cfg, step, plan, _, _ = _step_and_targets(["algorithm.pf_ppo=max_random",
+                                               "algorithm.critic_aggregation=seq_mean_token_sum"])
+    _, value_w_N = pf_ppo_token_weights(step, step.rewards_S, None, cfg.algorithm)
+    w_S = A.pf_ppo_weights(step.rewards_S.double(), "max_random")  # seq_mean_*: the weights as they are
+    assert torch.allclose(value_w_N.double(), w_S[step.seq_of_N], rtol=1e-6)
+    torch.manual_seed(0)
+    critic = ValueModel(tiny_lm(seed=1).model, 32).double()
+    torch.nn.init.normal_(critic.value_head.weight, std=0.3)
+    old = old_values(critic, step, plan, cfg).double()
+    returns = torch.randn(step.num_tokens, dtype=F64)
+    st = critic_update(critic, torch.optim.SGD(critic.parameters(), lr=0.0), step, plan, old, returns, cfg,
+                       weight_N=value_w_N)
+    err_N = 0.5 * (old - returns) ** 2 * step.mask_N.double()
+    want = (w_S[step.seq_of_N] * err_N).sum() / step.num_seqs
+    assert st["value_loss"] == pytest.approx(want.item(), rel=1e-6)
+    assert st["value_loss"] != pytest.approx((err_N.sum() / step.num_seqs).item(), rel=1e-3)

@@ -217,9 +217,10 @@ def gdpo(rewards_GNK: torch.Tensor, weights_K: torch.Tensor | None = None, eps: 
 def pf_ppo_weights(scores_B: torch.Tensor, method: str, power: float = 2.0) -> torch.Tensor:
     """PF-PPO's per-sample weights from the reward, normalised to mean 1 over the batch: `pow`
     |r|^power, `max_min` 1 for the batch's best and worst reward and 0 otherwise, `max_random` 0.4
-    for the best and 0.1 otherwise. PF-PPO resamples the batch with these probabilities; scaling each
-    sample's advantage by its weight over the mean is the same policy gradient in expectation,
-    without dropping or repeating samples."""
+    for the best and 0.1 otherwise, `scores_B` the reward after DAPO's overlong penalty (verl's
+    token-level scores). PF-PPO (verl) resamples B samples with replacement with these probabilities,
+    so sample i is drawn w_i / mean(w) times in expectation: the weight `pf_ppo_loss_weights` turns
+    into each sequence's multiplier on every term of its loss."""
     if method == "pow":
         w = scores_B.abs() ** power
     elif method == "max_min":
@@ -230,6 +231,20 @@ def pf_ppo_weights(scores_B: torch.Tensor, method: str, power: float = 2.0) -> t
         raise ValueError(f"algorithm.pf_ppo: {method!r} is not one of ['pow', 'max_min', 'max_random']")
     w = w + 1e-8  # all-zero weights (every reward 0 under pow) leave the batch unweighted
     return w / w.mean()
+
+
+def pf_ppo_loss_weights(weights_B: torch.Tensor, tokens_B: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Each sequence's multiplier on its loss terms under `aggregation`, from `pf_ppo_weights` (mean 1,
+    the expected draws of verl's resampling) and `tokens_B`, each sequence's counted tokens. The
+    sequence aggregations and token_sum take them as they are: the loss is linear in the draws, so
+    the weighted loss is the resampled one's expectation. token_mean divides by the resampled batch's
+    token count, itself drawn: the weights are rescaled to a token mean of 1, so the weighted loss is
+    E[token sum] / E[token count] of the resampled batch (the ratio of expectations, as the batch grows)."""
+    if aggregation != "token_mean":
+        return weights_B
+    counted = (weights_B * tokens_B).sum()
+    # No token counted (every sequence empty or rejected): nothing to rescale, and no device sync to ask.
+    return weights_B * torch.where(counted > 0, tokens_B.sum() / counted.clamp(min=1e-30), 1.0)
 
 
 def remax(scores_B: torch.Tensor, baselines_B: torch.Tensor, mask_BT: torch.Tensor,
