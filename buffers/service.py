@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 # every RELEASE_BACKLOG_S while the prompt backlog held it back (generators drain that by leasing, unannounced).
 RELEASE_FALLBACK_S = 0.5
 # Counters published as buffer:{name} (plus buffer:reject:{reason}); they survive buffer restarts.
-COUNTERS = ("frames", "bytes", "groups", "dedupes", "reclaims", "full_pauses", "full_ms", "auth_refused")
+COUNTERS = ("frames", "bytes", "groups", "dedupes", "reclaims", "full_pauses", "full_ms", "auth_refused",
+            "requeues")
 
 
 def load_prompts(cfg: Config) -> list[PromptRecord]:

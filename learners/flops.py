@@ -51,7 +51,8 @@ class ModelFlops:
             if isinstance(mod, nn.Linear) and id(mod.weight) not in seen and mod.weight is not head_w:
                 seen.add(id(mod.weight))
                 body += mod.weight.numel()
-        c = model.config
+        # A critic (learners/critic.py) wraps the decoder: its config is the backbone's.
+        c = model.config if hasattr(model, "config") else model.backbone.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(body, head_w.numel() if head_w is not None else 0, c.num_hidden_layers,
                    c.num_attention_heads * head_dim)

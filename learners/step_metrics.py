@@ -79,6 +79,9 @@ class StepMetrics:
             "lag_mean": sum(lags) / max(len(lags), 1), "lag_max": max(lags) if lags else 0,
             "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
             "dropped_stale": feed.dropped_stale, "dropped_zero_var": feed.dropped_zero_var,
+            # prompts of dropped groups sent back to be sampled again (too stale; ahead of a resumed learner)
+            "requeued_stale": feed.reader.num_requeued["stale"],
+            "requeued_ahead": feed.reader.num_requeued["ahead"] + feed.requeued_ahead,
             "quarantined": feed.quarantine.num,
             "num_groups": len(groups),
             "gen_tokens_per_s": gen_tps, "learner_tokens_per_s": learn_tps,
