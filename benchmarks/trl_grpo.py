@@ -94,7 +94,7 @@ def trl_settings(cfg, cuda: bool, use_vllm: bool, micro_batch_seqs: int = 0) -> 
         "seed": cfg.run.seed, "max_steps": cfg.run.max_steps,
         "num_generations": g.n, "per_device_train_batch_size": micro,
         "steps_per_generation": accumulate * lc.minibatches, "gradient_accumulation_steps": accumulate,
-        "gradient_checkpointing": lc.activation_checkpointing,
+        "gradient_checkpointing": lc.activation_checkpointing is True,  # auto: the learner decides by memory; TRL runs without
         "max_completion_length": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p,
         "top_k": g.top_k if g.top_k > 0 else 0,
         "learning_rate": lc.lr, "lr_scheduler_type": schedule[lc.lr_schedule], "warmup_steps": lc.warmup_steps,

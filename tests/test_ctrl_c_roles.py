@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from asyncrl.launch.launcher import kill_tree
 from asyncrl.observe.metrics import complete_rows
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
 
 def _start(tmp_path, name, *argv):
@@ -38,9 +41,9 @@ def _ctrl_c(proc, log) -> tuple[float, str]:
 def test_ctrl_c_of_each_hand_started_role_is_quiet_and_quick(tmp_path, redis_server, tiny_model):
     args = [f"buffer.redis_url={redis_server.url}", f"model.path={tiny_model}", f"run.dir={tmp_path / 'runs'}",
             "run.max_steps=1000", "run.stall_timeout_s=0", "logging.prometheus=false"]
-    roles = {"buffer": _start(tmp_path, "buffer", "buffer", "configs/tiny.yaml", *args),
-             "generator": _start(tmp_path, "generator", "generator", "configs/tiny.yaml", "--id", "g0", *args),
-             "learner": _start(tmp_path, "learner", "learner", "configs/tiny.yaml", *args)}
+    roles = {"buffer": _start(tmp_path, "buffer", "buffer", TINY, *args),
+             "generator": _start(tmp_path, "generator", "generator", TINY, "--id", "g0", *args),
+             "learner": _start(tmp_path, "learner", "learner", TINY, *args)}
     try:
         deadline = time.time() + 600
         while len(complete_rows(tmp_path / "runs" / "tiny" / "metrics.jsonl")) < 3 and time.time() < deadline:
