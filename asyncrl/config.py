@@ -411,9 +411,10 @@ class LearnerConfig(Section):
     """Recompute each decoder layer's activations in the backward instead of keeping them. auto: on
     only where the micro-batch that fits without it would be shorter than learner.micro_batch_tokens
     asks, or (micro_batch_tokens=0) than 4096 tokens or generator.max_model_len (learners/packing.py)."""
-    compile: bool | Literal["auto"] = "auto"
+    compile: bool | Literal["auto"] = False
     """torch.compile each decoder layer's forward (in place: parameter names do not change). auto: on
-    CUDA for models of at least 0.4B parameters (1.5B on an H100: 9.8 s a step against 12.8 s at
+    CUDA for models of at least 0.4B parameters, not yet the default (measured in the benchmark, not in
+    a whole run) (1.5B on an H100: 9.8 s a step against 12.8 s at
     8192-token micro-batches; the first step pays ~16 s of compilation, the warm-up step takes it while
     the generators start, and the inductor cache under ~/.cache/asyncrl/inductor keeps it for later runs)."""
     peak_tflops: Annotated[float, NonNegative] = 0.0
@@ -898,6 +899,11 @@ class Config(Section):
     def _mode_errors(self) -> list[str]:
         """Cross-field checks of run.mode (asyncrl/modes.py)."""
         sync_every, max_staleness = self.weights.sync_every, self.algorithm.max_staleness
+        if self.algorithm.autotune.enabled:  # the bound in force may fall to the controller's min
+            max_staleness = self.algorithm.autotune.min
+            if self.run.mode == "sync":
+                return ["run.mode=sync trains each version on its own groups (staleness 0): "
+                        "algorithm.max_staleness=auto has nothing to tune there; use run.mode=async"]
         if self.run.mode != "sync":
             # A group starts on the last version pushed; the learner trains up to sync_every - 1 versions
             # past it before the next push, so every group of those steps would be too stale to train.

@@ -86,6 +86,12 @@ class StalenessController:
         self.num_generators = -1
         self.ceiling_relaxes = True  # a guard's ceiling relaxes; one from a rise that did not pay lasts the fleet
 
+    def resume_at(self, bound: int | None) -> None:
+        """Starts from `bound` (kept within [lo, hi]) instead of lo: a resumed learner's predecessor's."""
+        if bound is not None:
+            self.bound = min(self.hi, max(self.lo, bound))
+            self.history = deque([self.bound], maxlen=self.hi + 1)
+
     @classmethod
     def from_config(cls, auto) -> StalenessController:
         """From `algorithm.autotune` (asyncrl/config.py AutotuneConfig)."""

