@@ -104,7 +104,7 @@ def test_resume_of_the_finished_run_without_checkpoints_refuses_in_one_line(fini
     took = time.monotonic() - t0
     # The launcher's INFO record of the redis-server it reopened, then the refusal.
     lines = [line for line in s.stderr.splitlines() if line.strip() and " INFO " not in line]
-    assert s.returncode == 2 and took < 30, (took, s.stdout[-2000:], s.stderr[-3000:])
+    assert s.returncode == 2 and took < 10, (took, s.stdout[-2000:], s.stderr[-3000:])
     assert len(lines) == 1, s.stderr[-3000:]
     assert f"reached version {STEPS}" in lines[0] and "no complete checkpoint" in lines[0], lines[0]
     assert "run.reset=true" in lines[0] and "run.name" in lines[0] and "checkpoint.every" in lines[0], lines[0]

@@ -34,3 +34,25 @@ def test_a_fresh_writer_leaves_earlier_steps_alone(tmp_path):
     JsonlBackend(path).log(1, {"step": 1})
     JsonlBackend(path).log(2, {"step": 2})
     assert [r["step"] for r in complete_rows(path)] == [1, 2]
+
+
+def test_a_fresh_run_sets_the_earlier_runs_rows_evaluations_and_plots_aside(tmp_path, redis_server):
+    import redis as redis_py
+
+    from asyncrl.config import load_config
+    from asyncrl.launch.launcher import Launcher
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=again"])
+    run_dir = cfg.run_dir
+    (run_dir / "plots").mkdir(parents=True)
+    (run_dir / "plots" / "reward.png").write_bytes(b"png")
+    for name in ("metrics", "eval", "eval_samples"):
+        (run_dir / f"{name}.jsonl").write_text('{"step": 1}\n')
+    client = redis_py.Redis.from_url(redis_server.url)
+    client.set("asyncrl:again:version", 7)
+    Launcher(cfg)._set_aside_earlier_run(client)
+    assert not client.exists("asyncrl:again:version")
+    assert not (run_dir / "plots").exists()
+    assert not any((run_dir / f"{name}.jsonl").exists() for name in ("metrics", "eval", "eval_samples"))
+    kept = sorted(p.name.split(".")[0] for p in run_dir.iterdir())
+    assert kept == ["eval", "eval_samples", "metrics", "plots"]  # each under its name and a time stamp

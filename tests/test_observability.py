@@ -285,3 +285,25 @@ def test_process_state_tells_a_stopped_process_from_a_gone_one():
         child.kill()
         child.wait()
     assert "no longer exists" in process_state(info)
+
+
+def test_status_at_80_columns_wraps_its_rows_and_cuts_no_word():
+    from rich.console import Console
+
+    from asyncrl.observe.status import render
+
+    snap = {"num_generators": 1, "run": "tiny", "stopped": False, "stalls": [], "events": [], "members": [],
+            "generators": [{"id": "g0", "state": "generating", "version": 3, "tokens_per_s": 10.0,
+                            "idle_ratio": 0.1, "groups": 4, "heartbeat_age_s": 0.5}],
+            "learner": {"step": 3, "version": 3, "tokens_per_s": 100.0, "idle_ratio": 0.2, "dropped_groups": 0,
+                        "quarantined": 0, "updated_age_s": 0.3, "staleness_bound": 1, "compute_s": 0.1,
+                        "data_wait_s": 0.2, "sync_s": 0.01, "push_wait_s": 0.0, "mfu": 0.05},
+            "buffer": {"depth": 2, "oldest_age_s": 1.0, "groups_per_s": 2.0, "prompt_backlog": 5, "released": 10,
+                       "updated_age_s": 0.2, "rejected": {}},
+            "lag": {"batches": 1, "hist": {"1": 10}}}
+    console = Console(width=80, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "…" not in text
+    for word in ("learner", "quarantined", "staleness", "waiting", "backlog", "mfu"):
+        assert word in text, word

@@ -200,9 +200,11 @@ class Launcher:
                         len(stale), cfg.run.name)
             client.delete(*stale)
         stamp = int(time.time())
-        for name in ("metrics", "metrics.rolled_back"):
+        for name in ("metrics", "metrics.rolled_back", "eval", "eval_samples"):
             if (self.run_dir / f"{name}.jsonl").exists():
                 (self.run_dir / f"{name}.jsonl").rename(self.run_dir / f"{name}.{stamp}.jsonl")
+        if (self.run_dir / "plots").is_dir():  # drawn from the earlier run's rows: stale once this one starts
+            (self.run_dir / "plots").rename(self.run_dir / f"plots.{stamp}")
         if cfg.checkpoint_dir.exists() and not cfg.checkpoint.dir:
             # A fresh run must not resume an earlier run's checkpoints; keep them aside.
             cfg.checkpoint_dir.rename(cfg.checkpoint_dir.with_name(f"checkpoints.{stamp}"))

@@ -121,6 +121,35 @@ def _members_table(snap: dict):
     return table
 
 
+def _roles_table(lr: dict, bf: dict, age):
+    """The learner's and the buffer's rows, and the last step's breakdown."""
+    from rich.table import Table
+
+    # Two columns: the role, then its fields as one cell that wraps, so that a narrow terminal wraps the
+    # line instead of cutting words into "learn…".
+    roles = Table(title="learner / buffer", expand=True, show_header=False)
+    roles.add_column(no_wrap=True)
+    roles.add_column(ratio=1)
+
+    def fields(name: str, *items: str) -> None:
+        roles.add_row(name, " \u00b7 ".join(items))
+
+    fields("learner", f"step {lr['step']}", f"version {lr['version']}", f"{lr['tokens_per_s']:.1f} tok/s",
+           f"idle {lr['idle_ratio']:.2f}", f"dropped {lr['dropped_groups']}", f"quarantined {lr['quarantined']}",
+           f"updated {age(lr['updated_age_s'])}",
+           "staleness bound " + (f"{lr['staleness_bound']:.0f}" if lr.get("staleness_bound") is not None else "-"))
+    fields("buffer", f"depth {bf['depth']}", f"oldest {bf['oldest_age_s']:.1f}s",
+           f"{bf['groups_per_s']:.2f} groups/s", f"backlog {bf['prompt_backlog']}",
+           f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")
+    if lr.get("compute_s") is not None:
+        fields("last step", f"compute {lr['compute_s']:.3f}s", f"waiting for data {lr['data_wait_s']:.3f}s",
+               f"push {lr['sync_s']:.3f}s", f"of which waiting {lr['push_wait_s']:.3f}s",
+               f"mfu {lr['mfu']:.1%}" if lr.get("mfu") is not None else "mfu -")
+    if bf["rejected"]:  # refused frames and handshakes, by reason
+        fields("refused", *[f"{k} {v}" for k, v in bf["rejected"].items()][:7])
+    return roles
+
+
 def render(snap: dict):
     """A rich renderable of one snapshot."""
     from rich.console import Group
@@ -138,19 +167,7 @@ def render(snap: dict):
         gen.add_row(g["id"], str(g["state"]), str(g["version"]), f"{g['tokens_per_s']:.1f}",
                     f"{g['idle_ratio']:.2f}", str(g["groups"]), age(g["heartbeat_age_s"]), style=style)
     lr, bf = snap["learner"], snap["buffer"]
-    roles = Table(title="learner / buffer", expand=True, show_header=False)
-    roles.add_row("learner", f"step {lr['step']}", f"version {lr['version']}", f"{lr['tokens_per_s']:.1f} tok/s",
-                  f"idle {lr['idle_ratio']:.2f}", f"dropped {lr['dropped_groups']}", f"quarantined {lr['quarantined']}", f"updated {age(lr['updated_age_s'])}",
-                  "staleness bound " + (f"{lr['staleness_bound']:.0f}" if lr.get("staleness_bound") is not None else "-"))
-    roles.add_row("buffer", f"depth {bf['depth']}", f"oldest {bf['oldest_age_s']:.1f}s",
-                  f"{bf['groups_per_s']:.2f} groups/s", f"backlog {bf['prompt_backlog']}",
-                  f"released {bf['released']}", f"updated {age(bf['updated_age_s'])}")
-    if lr.get("compute_s") is not None:
-        roles.add_row("last step", f"compute {lr['compute_s']:.3f}s", f"waiting for data {lr['data_wait_s']:.3f}s",
-                      f"push {lr['sync_s']:.3f}s", f"of which waiting {lr['push_wait_s']:.3f}s",
-                      f"mfu {lr['mfu']:.1%}" if lr.get("mfu") is not None else "mfu -")
-    if bf["rejected"]:  # refused frames and handshakes, by reason
-        roles.add_row("refused", *[f"{k} {v}" for k, v in bf["rejected"].items()][:7])
+    roles = _roles_table(lr, bf, age)
     lag = Table(title=f"version lag, last {snap['lag']['batches']} batches (tokens)", expand=True)
     lag.add_column("lag")
     lag.add_column("tokens")
